@@ -1,0 +1,162 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, SmolLM, TinyLlama) as plain torch modules over a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tinypaged import ops
+from tinypaged.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the batch's new tokens go in the paged KV cache and what each attends to.
+
+    The batch is B sequences' new tokens back to back (T in all); `query_start_loc` `[B + 1]` delimits them.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
+    query_start_loc: torch.Tensor  # [B + 1] int32
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+    """`[max_positions, head_dim]` fp32: cos then sin of each position's rotation angles (Llama 3 scaling too)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul; the loader fills the three row ranges.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        ops.write_kv(k, v, kv_layer, meta.slot_mapping)
+        out = ops.paged_attention(q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with the gate and up projections fused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_layer, meta, cos_sin_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, hidden states out; `compute_logits` projects the rows that are sampled."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
+
+    def init_rope(self) -> None:
+        """Fill the rotary table on the model's device (after the weights are loaded there)."""
+        self.cos_sin_cache = rope_cos_sin_cache(self.cfg, self.max_positions, self.embed_tokens.weight.device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, kv_cache[i], meta, self.cos_sin_cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[N, vocab]` in fp32 of the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

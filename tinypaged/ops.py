@@ -1,0 +1,214 @@
+"""One facade per op: Triton kernels for CUDA tensors, torch reference implementations otherwise.
+
+The KV cache of a model is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
+a layer's slice `kv_layer = kv_cache[i]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values).
+A slot is `block_id * block_size + offset`; token N of a sequence lives in slot
+`block_table[N // block_size] * block_size + N % block_size`.
+
+Setting TRITON_INTERPRET=1 (before import) routes CPU tensors through the Triton kernels too, so that the
+kernels can be tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel (rather than the torch reference) handles this tensor."""
+    return x.is_cuda or _INTERPRET
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Torch references: the definition of each op. The Triton kernels are tested against these.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ref_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim in fp32; with `residual`, normalises x + residual and also returns the sum."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (out * weight.float()).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def ref_rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q `[T, Hq, D]` and k `[T, Hkv, D]`; cos_sin_cache is `[max_pos, D]` fp32
+    holding cos in its first half and sin in its second."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def ref_write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value `[T, Hkv, D]` into the cache at `slot_mapping` `[T]`; negative slots are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat = kv_layer.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D], a view
+    flat[0, slots] = key[keep].to(kv_layer.dtype)
+    flat[1, slots] = value[keep].to(kv_layer.dtype)
+
+
+def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+    """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`."""
+    block_size = kv_layer.shape[2]
+    pos = torch.arange(length, device=kv_layer.device)
+    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
+    flat = kv_layer.flatten(1, 2)
+    return flat[0, slots], flat[1, slots]
+
+
+def ref_paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of a ragged batch over their sequences' paged KV cache.
+
+    q: `[T, Hq, D]`, the new tokens of B sequences back to back; `query_start_loc` `[B + 1]` delimits them.
+    `seq_lens` `[B]`: each sequence's length including its new tokens (whose K/V are already written), so the
+    j-th new token of sequence i sits at position `seq_lens[i] - q_len_i + j` and sees positions up to it.
+    `block_tables` `[B, max_blocks]` (int32, padded). Returns `[T, Hq, D]`.
+    """
+    out = torch.empty_like(q)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:  # one batched call for all single-token queries: a padded context and a length mask
+        idx = torch.tensor(decode, device=q.device)
+        max_len = max(lens[i] for i in decode)
+        k, v = _gather_context(kv_layer, block_tables[idx], max_len)
+        rows = query_start_loc[idx].long()
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[idx][:, None]
+        o = F.scaled_dot_product_attention(
+            q[rows][:, :, None, :].float(),  # [B, Hq, 1, D]
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o[:, :, 0, :].to(q.dtype)
+    for i, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        length = lens[i]
+        k, v = _gather_context(kv_layer, block_tables[i : i + 1], length)
+        qpos = torch.arange(length - n, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[starts[i] : starts[i] + n].transpose(0, 1)[None].float(),  # [1, Hq, n, D]
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[starts[i] : starts[i] + n] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks `src -> dst` (rows of `block_mapping` `[N, 2]`) in every layer, keys and values."""
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The facade the model and runner call.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, optionally fused with the residual add (see `ref_rms_norm`)."""
+    if _triton(x):
+        from tinypaged.kernels import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    return ref_rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q and k (see `ref_rotary_embedding`)."""
+    if _triton(q):
+        from tinypaged.kernels import rotary_embedding as kernel
+
+        return kernel(positions, q, k, cos_sin_cache)
+    return ref_rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new keys and values into their slots (see `ref_write_kv`)."""
+    if _triton(key):
+        from tinypaged.kernels import write_kv as kernel
+
+        return kernel(key, value, kv_layer, slot_mapping)
+    return ref_write_kv(key, value, kv_layer, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`)."""
+    if _triton(q):
+        from tinypaged.kernels import paged_attention as kernel
+
+        return kernel(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
+    return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: copy many (src, dst) blocks across all layers at once (see `ref_copy_blocks`)."""
+    if block_mapping.numel() == 0:
+        return
+    if _triton(kv_cache):
+        from tinypaged.kernels import copy_blocks as kernel
+
+        return kernel(kv_cache, block_mapping)
+    return ref_copy_blocks(kv_cache, block_mapping)
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: list[tuple[int, int]]) -> None:
+    """Copy blocks between the GPU cache and the (pinned) CPU swap cache: rows (src block, dst block)."""
+    if not block_mapping:
+        return
+    src = torch.tensor([s for s, _ in block_mapping], device=src_cache.device)
+    dst = torch.tensor([d for _, d in block_mapping], device=dst_cache.device)
+    # One gather on the source device, one transfer, one scatter on the destination device.
+    dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device, non_blocking=True)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of a fused gate/up projection `[..., 2 * I]`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

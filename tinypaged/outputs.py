@@ -1,0 +1,44 @@
+"""What generation returns, shaped as vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability and rank in the model's distribution."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # Per generated token: {token id: Logprob} for the sampled token and the top-k alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        """Whether this sequence has ended."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its outputs so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None  # why the request ended without running, e.g. it can never fit in the cache
