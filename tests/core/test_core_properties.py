@@ -1,0 +1,221 @@
+"""Property tests: random operation sequences against the KV cache manager and the scheduler.
+
+A shadow cache plays the model runner: each slot records the exact prefix its K/V would depend on, so a
+wrong copy-on-write, swap mapping or prefix-cache hit shows up as a sequence reading someone else's K/V.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.scheduler import Scheduler, SchedulerConfig
+from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+from .shadow import ShadowCache, run_step
+
+BS = 2
+SMALL = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Allocate, append, fork, copy-on-write, free, swap out and in, prefix hits and evictions."""
+
+    hash_fn = None  # subclasses force collisions
+
+    def __init__(self) -> None:
+        super().__init__()
+        kw = {} if self.hash_fn is None else {"hash_fn": self.hash_fn}
+        self.kv = KVCacheManager(BS, 10, 6, watermark=0.0, enable_prefix_caching=True, **kw)
+        self.shadow = ShadowCache(BS)
+        self.groups: dict[int, SequenceGroup] = {}
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _pick(self, data: st.DataObject, on_cpu: bool) -> SequenceGroup | None:
+        groups = [g for g in self.groups.values() if self.kv.is_swapped(g.seqs[0].seq_id) == on_cpu]
+        return data.draw(st.sampled_from(groups)) if groups else None
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def add_seq(self, tokens: list[int]) -> None:
+        seq = Sequence(self._new_id(), tokens)
+        computed = self.kv.get_computed_blocks(seq)
+        assert computed % BS == 0 and computed < seq.num_tokens
+        seq.num_computed_tokens = computed
+        self.groups[seq.seq_id] = SequenceGroup(str(seq.seq_id), [seq], 0.0)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        group = self._pick(data, on_cpu=False)
+        if group is None:
+            return
+        seq = data.draw(st.sampled_from(group.seqs))
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.append_token(data.draw(st.integers(0, 2)))
+        n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens))
+        before = self.kv.get_block_table(seq.seq_id)
+        need = self.kv.blocks_needed([(seq, n)])
+        copies = self.kv.allocate_slots(seq, n)
+        if copies is None:
+            assert need > self.kv.num_free_gpu_blocks and self.kv.get_block_table(seq.seq_id) == before
+            return
+        self.shadow.copy(copies)
+        self.shadow.write(self.kv.get_block_table(seq.seq_id), seq.token_ids, seq.num_computed_tokens, n)
+        seq.num_computed_tokens += n
+        self.kv.cache_block(seq)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data(), on_cpu=st.booleans())
+    def fork(self, data: st.DataObject, on_cpu: bool) -> None:
+        group = self._pick(data, on_cpu)
+        if group is None:
+            return
+        parent = data.draw(st.sampled_from(group.seqs))
+        child = parent.fork(self._new_id())
+        self.kv.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.groups)))
+        group = self.groups[key]
+        seq = data.draw(st.sampled_from(group.seqs))
+        self.kv.free(seq.seq_id)
+        group.seqs.remove(seq)
+        if not group.seqs:
+            del self.groups[key]
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        group = self._pick(data, on_cpu=False)
+        if group is None or not self.kv.can_swap_out(group):
+            return
+        pairs = self.kv.swap_out(group)
+        assert len({g for g, _ in pairs}) == len({c for _, c in pairs}) == len(pairs)
+        self.shadow.swap_out(pairs)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        group = self._pick(data, on_cpu=True)
+        if group is None or not self.kv.can_swap_in(group):
+            return
+        self.shadow.swap_in(self.kv.swap_in(group))
+
+    @invariant()
+    def consistent(self) -> None:
+        self.kv.check_integrity()
+        for group in self.groups.values():
+            for seq in group.seqs:
+                self.shadow.check_seq(self.kv, seq)
+
+    def teardown(self) -> None:
+        for group in self.groups.values():
+            for seq in group.seqs:
+                self.kv.free(seq.seq_id)
+        self.kv.check_integrity()
+        assert self.kv.num_free_gpu_blocks == self.kv.num_gpu_blocks
+        assert self.kv.num_free_cpu_blocks == self.kv.num_cpu_blocks
+
+
+class CollidingManagerMachine(ManagerMachine):
+    """Only a handful of hash values, parent ignored: every hit must be earned by exact comparison."""
+
+    @staticmethod
+    def hash_fn(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:  # type: ignore[override]
+        return bytes([sum(tokens) % 3])
+
+
+TestManager = ManagerMachine.TestCase
+TestManager.settings = SMALL
+TestCollidingManager = CollidingManagerMachine.TestCase
+TestCollidingManager.settings = SMALL
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_gpu=st.integers(3, 16),
+    num_cpu=st.integers(0, 8),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 5),
+    mode=st.sampled_from(["recompute", "swap", None]),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_scheduler_simulation(
+    seed: int,
+    num_gpu: int,
+    num_cpu: int,
+    budget: int,
+    max_num_seqs: int,
+    mode: str | None,
+    chunked: bool,
+    caching: bool,
+    watermark: float,
+) -> None:
+    """Random arrivals, forks, finishes and aborts on a tiny cache: invariants hold and everything ends."""
+    rng = random.Random(seed)
+    max_model_len = 16
+    if not chunked:
+        budget = max(budget, max_model_len)
+    kv = KVCacheManager(BS, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, mode, chunked)  # type: ignore[arg-type]
+    sched = Scheduler(cfg, kv)
+    shadow = ShadowCache(BS)
+    ids = iter(range(10**6))
+    limits: dict[int, int] = {}  # seq id -> max output tokens
+    forks: dict[str, int] = {}  # request id -> children still to fork after the first sample
+    num_requests = rng.randint(1, 10)
+    added = 0
+    for step in range(400):
+        if added < num_requests and rng.random() < 0.7:
+            length = rng.randint(1, 20) if rng.random() < 0.1 else rng.randint(1, 8)
+            prompt = [rng.randint(0, 2) for _ in range(length)]
+            seq = Sequence(next(ids), prompt)
+            limits[seq.seq_id] = rng.randint(1, 8)
+            rid = f"r{added}"
+            forks[rid] = rng.choice([0, 0, 1, 2])
+            sched.add_seq_group(SequenceGroup(rid, [seq], float(step)))
+            added += 1
+        out = run_step(sched, shadow, next_token=rng.randint(0, 2))
+        for _rid, reason in out.ignored:
+            assert reason
+        for s in out.scheduled:
+            seq = sched.get_seq(s.seq_id)
+            if seq is None or not s.do_sample:
+                continue
+            if forks.get(s.request_id):
+                for _ in range(forks.pop(s.request_id)):
+                    child = seq.fork(next(ids))
+                    child.token_ids[-1] = rng.randint(0, 2)
+                    limits[child.seq_id] = rng.randint(1, 8)
+                    sched.fork_seq(seq, child)
+            forks.pop(s.request_id, None)
+            if len(seq.output_token_ids) >= limits[seq.seq_id] or seq.num_tokens >= max_model_len:
+                sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+        if rng.random() < 0.05 and added:
+            sched.abort_seq_group(f"r{rng.randrange(added)}")
+        for group in sched.running + sched.swapped:
+            for seq in group.unfinished_seqs():
+                shadow.check_seq(kv, seq)
+        for group in sched.swapped:
+            assert all(s.status == SequenceStatus.SWAPPED for s in group.unfinished_seqs())
+        if added == num_requests and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "requests stalled"
+    kv.check_integrity()
+    assert kv.num_free_gpu_blocks == kv.num_gpu_blocks and kv.num_free_cpu_blocks == kv.num_cpu_blocks

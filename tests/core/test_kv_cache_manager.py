@@ -1,0 +1,220 @@
+"""KVCacheManager: block tables, copy-on-write, fork, free, swap, prefix caching, watermark, integrity."""
+
+import pytest
+
+from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.sequence import Sequence, SequenceGroup
+
+from .shadow import ShadowCache
+
+
+def make(num_gpu: int = 8, num_cpu: int = 8, bs: int = 4, **kw: object) -> KVCacheManager:
+    return KVCacheManager(bs, num_gpu, num_cpu, watermark=0.0, **kw)  # type: ignore[arg-type]
+
+
+def compute(kv: KVCacheManager, shadow: ShadowCache, seq: Sequence, n: int) -> list[tuple[int, int]]:
+    """What one scheduled step does to a sequence: allocate, copy, write, advance, cache."""
+    copies = kv.allocate_slots(seq, n)
+    assert copies is not None
+    shadow.copy(copies)
+    shadow.write(kv.get_block_table(seq.seq_id), seq.token_ids, seq.num_computed_tokens, n)
+    seq.num_computed_tokens += n
+    kv.cache_block(seq)
+    return copies
+
+
+def test_allocate_slots_covers_positions_and_none_changes_nothing() -> None:
+    kv = make(num_gpu=3)
+    seq = Sequence(0, list(range(6)))
+    assert kv.allocate_slots(seq, 6) == []
+    assert len(kv.get_block_table(0)) == 2
+    seq.num_computed_tokens = 6
+    assert kv.allocate_slots(seq, 2) == [] and len(kv.get_block_table(0)) == 2  # fits the partial block
+    other = Sequence(1, list(range(9)))
+    assert kv.allocate_slots(other, 9) is None
+    assert kv.get_block_table(1) == [] and kv.num_free_gpu_blocks == 1
+    kv.check_integrity()
+    kv.free(0)
+    kv.free(1)
+    assert kv.num_free_gpu_blocks == 3 and kv.gpu_usage == 0.0
+
+
+def test_fork_shares_blocks_and_copy_on_write_gives_the_writer_the_copy() -> None:
+    kv = make()
+    shadow = ShadowCache(4)
+    parent = Sequence(0, [1, 2, 3, 4, 5, 6])
+    compute(kv, shadow, parent, 6)
+    child = parent.fork(1)
+    kv.fork(0, 1)
+    assert kv.get_block_table(1) == kv.get_block_table(0)
+    assert kv.gpu_pool.ref_count(kv.get_block_table(0)[1]) == 2
+    kv.check_integrity()
+    shared_last = kv.get_block_table(0)[1]
+    child.append_token(7)
+    copies = compute(kv, shadow, child, 1)
+    # The child wrote into the shared partial block: it gets a fresh copy, the parent keeps the original.
+    assert len(copies) == 1 and copies[0][0] == shared_last
+    assert kv.get_block_table(0)[1] == shared_last
+    assert kv.get_block_table(1)[1] == copies[0][1]
+    assert kv.get_block_table(1)[0] == kv.get_block_table(0)[0]  # the full block stays shared
+    parent.append_token(8)
+    assert compute(kv, shadow, parent, 1) == []  # now the only holder: writes in place
+    shadow.check_seq(kv, parent)
+    shadow.check_seq(kv, child)
+    kv.check_integrity()
+    kv.free(0)
+    kv.free(1)
+    assert kv.num_free_gpu_blocks == 8
+
+
+def test_copy_on_write_counts_siblings_exactly() -> None:
+    kv = make(num_gpu=4)
+    seqs = [Sequence(0, [1, 2, 3, 4, 5])]
+    compute(kv, ShadowCache(4), seqs[0], 5)
+    for i in (1, 2):
+        seqs.append(seqs[0].fork(i))
+        kv.fork(0, i)
+    items = [(s, 1) for s in seqs]
+    for s in seqs:
+        s.append_token(9)
+    # Three holders of the partial block: the first two writers copy, the last writes in place.
+    assert kv.blocks_needed(items) == 2
+    copies = kv.allocate_group_slots(items)
+    assert copies is not None and len(copies) == 2
+    kv.check_integrity()
+
+
+def test_group_allocation_is_all_or_nothing() -> None:
+    kv = make(num_gpu=3)
+    a, b = Sequence(0, [1] * 8), Sequence(1, [2] * 8)
+    assert kv.allocate_group_slots([(a, 8), (b, 8)]) is None
+    assert kv.num_free_gpu_blocks == 3 and kv.get_block_table(0) == []
+    kv.check_integrity()
+
+
+def test_swap_out_and_in_keeps_sharing_and_copies_each_block_once() -> None:
+    kv = make(num_gpu=6, num_cpu=4)
+    shadow = ShadowCache(4)
+    parent = Sequence(0, list(range(10)))
+    compute(kv, shadow, parent, 10)
+    child = parent.fork(1)
+    kv.fork(0, 1)
+    group = SequenceGroup("r", [parent, child], 0.0)
+    assert kv.can_swap_out(group)
+    out = kv.swap_out(group)
+    shadow.swap_out(out)
+    assert len(out) == 3 and len({g for g, _ in out}) == 3 and len({c for _, c in out}) == 3
+    assert kv.is_swapped(0) and kv.is_swapped(1)
+    assert kv.get_block_table(0) == kv.get_block_table(1)
+    assert kv.num_free_gpu_blocks == 6 and kv.num_free_cpu_blocks == 1
+    kv.check_integrity()
+    shadow.check_seq(kv, child)
+    assert kv.can_swap_in(group)
+    back = kv.swap_in(group)
+    shadow.swap_in(back)
+    assert len(back) == 3 and kv.num_free_cpu_blocks == 4
+    assert kv.get_block_table(0) == kv.get_block_table(1)
+    for s in (parent, child):
+        shadow.check_seq(kv, s)
+    kv.check_integrity()
+
+
+def test_swap_needs_room() -> None:
+    kv = make(num_gpu=4, num_cpu=1)
+    seq = Sequence(0, list(range(8)))
+    kv.allocate_slots(seq, 8)
+    group = SequenceGroup("r", [seq], 0.0)
+    assert not kv.can_swap_out(group)
+    with pytest.raises(RuntimeError):
+        kv.swap_out(group)
+
+
+def test_prefix_hit_shares_full_blocks_but_never_the_last_token() -> None:
+    kv = make(enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    first = Sequence(0, list(range(8)))
+    assert kv.get_computed_blocks(first) == 0
+    compute(kv, shadow, first, 8)
+    # Same 8-token prompt: only the first block is shared; the last block is recomputed for logits.
+    same = Sequence(1, list(range(8)))
+    assert kv.get_computed_blocks(same) == 4
+    assert kv.get_block_table(1) == kv.get_block_table(0)[:1]
+    longer = Sequence(2, list(range(9)))
+    assert kv.get_computed_blocks(longer) == 8
+    other = Sequence(3, [0, 1, 2, 99, 4])
+    assert kv.get_computed_blocks(other) == 0
+    assert kv.num_prefix_hit_blocks == 3
+    for s in (same, longer):
+        s.num_computed_tokens = kv.get_block_table(s.seq_id).__len__() * 4
+        shadow.check_seq(kv, s)
+    kv.check_integrity()
+
+
+def test_freed_prefix_stays_cached_until_evicted() -> None:
+    kv = make(num_gpu=3, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    a = Sequence(0, list(range(9)))
+    compute(kv, shadow, a, 9)
+    kv.free(0)
+    assert kv.num_free_gpu_blocks == 3
+    b = Sequence(1, list(range(9)))
+    assert kv.get_computed_blocks(b) == 8
+    b.num_computed_tokens = 8
+    shadow.check_seq(kv, b)
+    kv.free(1)
+    # Filling the cache with other tokens evicts the old prefix (lazily, when the blocks are needed).
+    c = Sequence(2, [50 + i for i in range(12)])
+    compute(kv, shadow, c, 12)
+    kv.free(2)
+    d = Sequence(3, list(range(9)))
+    assert kv.get_computed_blocks(d) == 0
+    assert kv.gpu_pool.num_evictions >= 2
+    kv.free(3)
+    kv.check_integrity()
+
+
+def test_hash_collisions_are_misses_not_wrong_hits() -> None:
+    # Every block hashes the same: only the token and parent comparison tells contents apart.
+    kv = make(enable_prefix_caching=True, hash_fn=lambda parent, tokens: b"x")
+    shadow = ShadowCache(4)
+    a = Sequence(0, [1, 2, 3, 4, 5])
+    compute(kv, shadow, a, 5)
+    b = Sequence(1, [9, 9, 9, 9, 5])
+    assert kv.get_computed_blocks(b) == 0
+    c = Sequence(2, [1, 2, 3, 4, 7])
+    assert kv.get_computed_blocks(c) == 4
+    kv.check_integrity()
+
+
+def test_chain_collision_with_another_parent_is_a_miss() -> None:
+    # The hash ignores the parent: [0,1][5,5] and [1,0][5,5] collide on their second block.
+    kv = make(bs=2, enable_prefix_caching=True, hash_fn=lambda parent, tokens: bytes([sum(tokens)]))
+    shadow = ShadowCache(2)
+    a = Sequence(0, [0, 1, 7])
+    compute(kv, shadow, a, 3)
+    b = Sequence(1, [1, 0, 5, 5, 3])  # block 0 collides with a's and stays private; block 1 is cached
+    compute(kv, shadow, b, 5)
+    c = Sequence(2, [0, 1, 5, 5, 3])  # block 0 hits a's; block 1 must not hit b's (other parent)
+    assert kv.get_computed_blocks(c) == 2
+    c.num_computed_tokens = 2
+    shadow.check_seq(kv, c)
+    kv.check_integrity()
+
+
+def test_watermark_and_sizes_are_checked() -> None:
+    kv = KVCacheManager(16, 100, 10, watermark=0.05)
+    assert kv.watermark_blocks == 5
+    with pytest.raises(ValueError):
+        KVCacheManager(16, 4, 0, watermark=1.0)
+    with pytest.raises(ValueError):
+        KVCacheManager(0, 4, 0)
+
+
+def test_check_integrity_catches_corruption() -> None:
+    kv = make()
+    seq = Sequence(0, list(range(5)))
+    kv.allocate_slots(seq, 5)
+    kv.check_integrity()
+    kv.gpu_pool.blocks[kv.get_block_table(0)[0]].ref_count += 1
+    with pytest.raises(AssertionError):
+        kv.check_integrity()

@@ -1,0 +1,252 @@
+"""Block tables over a GPU and a CPU block pool: allocation, copy-on-write, fork, swap, prefix caching."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tinypaged.core.block_pool import BlockHash, BlockPool, HashFn, hash_block_tokens
+from tinypaged.core.sequence import Sequence, SequenceGroup
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps each sequence's token positions to physical blocks (its block table), keeping ref counts right."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        hash_fn: HashFn = hash_block_tokens,
+    ) -> None:
+        if block_size <= 0 or num_gpu_blocks <= 0 or num_cpu_blocks < 0:
+            raise ValueError(f"bad cache sizes: {block_size=} {num_gpu_blocks=} {num_cpu_blocks=}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        # Admission keeps this many blocks free so running sequences can grow without preempting at once.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        if not 0 <= self.watermark_blocks < num_gpu_blocks:
+            raise ValueError(f"watermark {watermark} leaves no usable block out of {num_gpu_blocks}")
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self._hash_fn = hash_fn
+        self._tables: dict[int, list[int]] = {}
+        self._on_cpu: set[int] = set()  # seq ids whose table holds CPU blocks (swapped out)
+        # Per sequence, for its leading full computed blocks: (chained hash, content_id that the next block
+        # chains to). Prefix caching only.
+        self._block_hashes: dict[int, list[tuple[BlockHash, int]]] = {}
+        self.num_prefix_queried_blocks = 0
+        self.num_prefix_hit_blocks = 0
+
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Free GPU blocks (cached-but-unused ones count: they are evicted on demand)."""
+        return self.gpu_pool.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """Free CPU (swap) blocks."""
+        return self.cpu_pool.num_free_blocks
+
+    @property
+    def gpu_usage(self) -> float:
+        """Fraction of GPU blocks held by some block table, 0..1."""
+        return 1.0 - self.gpu_pool.num_free_blocks / self.num_gpu_blocks
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block table (a copy); empty if it holds no blocks."""
+        return list(self._tables.get(seq_id, ()))
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """True while the sequence's blocks live in the CPU pool."""
+        return seq_id in self._on_cpu
+
+    def blocks_needed(self, items: Iterable[tuple[Sequence, int]]) -> int:
+        """New blocks that allocate_slots would take for these (seq, num_new_tokens), in this order."""
+        # Simulates copy-on-write ref counts locally: after one sibling copies a shared block, the next may
+        # write into it in place. Exact, so a group allocation that passes this check cannot fail midway.
+        local_refs: dict[int, int] = {}
+        need = 0
+        for seq, num_new in items:
+            table = self._tables.get(seq.seq_id, [])
+            pool = self.cpu_pool if seq.seq_id in self._on_cpu else self.gpu_pool
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            for i in range(first // self.block_size, min(len(table), cdiv(end, self.block_size))):
+                refs = local_refs.get(table[i], pool.ref_count(table[i]))
+                if refs > 1:
+                    need += 1
+                    local_refs[table[i]] = refs - 1
+            need += max(0, cdiv(end, self.block_size) - len(table))
+        return need
+
+    # ---- allocation ----------------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Cover positions [0, num_computed + num_new); returns copy-on-write (src, dst) pairs, or None."""
+        return self.allocate_group_slots([(seq, num_new_tokens)])
+
+    def allocate_group_slots(self, items: list[tuple[Sequence, int]]) -> list[tuple[int, int]] | None:
+        """allocate_slots for several sequences, all or nothing; None (and no change) if blocks run short."""
+        if self.blocks_needed(items) > self.gpu_pool.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        for seq, num_new in items:
+            assert seq.seq_id not in self._on_cpu, f"seq {seq.seq_id} is swapped out"
+            table = self._tables.setdefault(seq.seq_id, [])
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            for i in range(first // self.block_size, min(len(table), cdiv(end, self.block_size))):
+                src = table[i]
+                if self.gpu_pool.ref_count(src) > 1:
+                    # Copy-on-write: the writer gets the copy; the other holders keep the original.
+                    dst = self.gpu_pool.allocate()
+                    self.gpu_pool.free(src)
+                    table[i] = dst
+                    copies.append((src, dst))
+            while len(table) < cdiv(end, self.block_size):
+                table.append(self.gpu_pool.allocate())
+        return copies
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """The child shares every block of the parent (ref counts + 1); writes later copy on write."""
+        assert child_seq_id not in self._tables, f"seq {child_seq_id} already has a block table"
+        if parent_seq_id not in self._tables:
+            return  # a parent without blocks (still waiting): nothing to share yet
+        table = self._tables[parent_seq_id]
+        pool = self.cpu_pool if parent_seq_id in self._on_cpu else self.gpu_pool
+        for block_id in table:
+            pool.incref(block_id)
+        self._tables[child_seq_id] = list(table)
+        if parent_seq_id in self._on_cpu:
+            self._on_cpu.add(child_seq_id)
+        if parent_seq_id in self._block_hashes:
+            self._block_hashes[child_seq_id] = list(self._block_hashes[parent_seq_id])
+
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks (no-op if it holds none)."""
+        table = self._tables.pop(seq_id, None)
+        self._block_hashes.pop(seq_id, None)
+        pool = self.cpu_pool if seq_id in self._on_cpu else self.gpu_pool
+        self._on_cpu.discard(seq_id)
+        # Last block first: with prefix caching the tail of a chain is then evicted before its head.
+        for block_id in reversed(table or ()):
+            pool.free(block_id)
+
+    # ---- swapping ------------------------------------------------------------------------------------
+    def _group_blocks(self, group: SequenceGroup) -> set[int]:
+        return {b for s in group.unfinished_seqs() for b in self._tables.get(s.seq_id, ())}
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        """Whether the CPU pool has room for every distinct block of the group."""
+        return len(self._group_blocks(group)) <= self.cpu_pool.num_free_blocks
+
+    def can_swap_in(self, group: SequenceGroup, num_new_blocks: int = 0, use_watermark: bool = True) -> bool:
+        """Whether the group's blocks plus num_new_blocks fit on the GPU (above the watermark by default)."""
+        need = len(self._group_blocks(group)) + num_new_blocks
+        return self.gpu_pool.num_free_blocks - need >= (self.watermark_blocks if use_watermark else 0)
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's blocks to the CPU pool; returns (gpu, cpu) copies, each shared block once."""
+        return self._move(group, self.gpu_pool, self.cpu_pool, to_cpu=True)
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's blocks back to the GPU pool; returns (cpu, gpu) copies, each shared block once."""
+        return self._move(group, self.cpu_pool, self.gpu_pool, to_cpu=False)
+
+    def _move(
+        self, group: SequenceGroup, src: BlockPool, dst: BlockPool, to_cpu: bool
+    ) -> list[tuple[int, int]]:
+        seqs = [s for s in group.unfinished_seqs() if s.seq_id in self._tables]
+        assert all((s.seq_id in self._on_cpu) != to_cpu for s in seqs), "group is not where it should be"
+        if len(self._group_blocks(group)) > dst.num_free_blocks:
+            raise RuntimeError("not enough free blocks to swap: check can_swap_out / can_swap_in first")
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = self._tables[seq.seq_id]
+            new_table = []
+            for block_id in table:
+                if block_id in mapping:
+                    dst.incref(mapping[block_id])
+                else:
+                    mapping[block_id] = dst.allocate()
+                new_table.append(mapping[block_id])
+            for block_id in reversed(table):
+                src.free(block_id)
+            self._tables[seq.seq_id] = new_table
+            if to_cpu:
+                self._on_cpu.add(seq.seq_id)
+            else:
+                self._on_cpu.discard(seq.seq_id)
+                # The GPU copies are new blocks: let cache_block register them again if their hashes are free.
+                self._block_hashes.pop(seq.seq_id, None)
+        return list(mapping.items())
+
+    # ---- prefix caching ------------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> int:
+        """Share the cached full blocks of a new sequence's tokens; returns how many tokens are computed."""
+        if not self.enable_prefix_caching:
+            return 0
+        assert seq.seq_id not in self._tables and seq.num_computed_tokens == 0, "not a new sequence"
+        bs = self.block_size
+        table: list[int] = []
+        hashes: list[tuple[BlockHash, int]] = []
+        parent_hash: BlockHash | None = None
+        parent_id: int | None = None
+        # Never the whole sequence: its last token must go through the model so that logits come out.
+        num_candidates = (seq.num_tokens - 1) // bs
+        for i in range(num_candidates):
+            token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block_hash = self._hash_fn(parent_hash, token_ids)
+            block_id = self.gpu_pool.lookup(block_hash, parent_id, token_ids)
+            if block_id is None:
+                break
+            self.gpu_pool.incref(block_id)
+            table.append(block_id)
+            parent_hash, parent_id = block_hash, self.gpu_pool.content_id(block_id)
+            hashes.append((parent_hash, parent_id))
+        self.num_prefix_queried_blocks += num_candidates
+        self.num_prefix_hit_blocks += len(table)
+        self._tables[seq.seq_id] = table
+        self._block_hashes[seq.seq_id] = hashes
+        return len(table) * bs
+
+    def cache_block(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching or seq.seq_id in self._on_cpu:
+            return
+        bs = self.block_size
+        table = self._tables.get(seq.seq_id, [])
+        hashes = self._block_hashes.setdefault(seq.seq_id, [])
+        for i in range(len(hashes), min(seq.num_computed_tokens // bs, len(table))):
+            parent_hash, parent_id = hashes[-1] if hashes else (None, None)
+            token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block_hash = self._hash_fn(parent_hash, token_ids)
+            content_id = self.gpu_pool.cache_block(table[i], block_hash, parent_id, token_ids)
+            hashes.append((block_hash, content_id))
+
+    # ---- invariants ----------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if ref counts, free lists or the prefix-cache map are inconsistent."""
+        gpu_refs: dict[int, int] = {}
+        cpu_refs: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice"
+            refs = cpu_refs if seq_id in self._on_cpu else gpu_refs
+            for block_id in table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+            hashes = self._block_hashes.get(seq_id, [])
+            assert len(hashes) <= len(table), f"seq {seq_id} has hashes for blocks it does not hold"
+        assert self._on_cpu <= self._tables.keys(), "swapped seq without a block table"
+        assert self._block_hashes.keys() <= self._tables.keys(), "hashes kept for a freed seq"
+        self.gpu_pool.check_integrity(gpu_refs)
+        self.cpu_pool.check_integrity(cpu_refs)
+        for block in self.gpu_pool.blocks:
+            if block.token_ids is not None:
+                assert len(block.token_ids) == self.block_size, f"cached block {block.block_id} is not full"

@@ -1,0 +1,351 @@
+"""The scheduler: which sequences run each step, with how many tokens, and what to preempt, swap or copy."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tinypaged.core.kv_cache_manager import KVCacheManager, cdiv
+from tinypaged.core.schedule_types import PreemptionMode, ScheduledSeq, SchedulerConfig, SchedulerOutput
+from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["PreemptionMode", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+
+
+@dataclass
+class _Step:
+    """The scratch state of one schedule() call."""
+
+    budget: int
+    seqs_left: int
+    scheduled: list[tuple[Sequence, SequenceGroup, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+
+    def commit(
+        self, group: SequenceGroup, items: list[tuple[Sequence, int]], copies: list[tuple[int, int]]
+    ) -> None:
+        self.scheduled.extend((seq, group, n) for seq, n in items)
+        self.budget -= sum(n for _, n in items)
+        self.seqs_left -= len(items)
+        self.copies.extend(copies)
+
+
+def _by_arrival(group: SequenceGroup) -> float:
+    return group.arrival_time
+
+
+class Scheduler:
+    """FCFS continuous batching over waiting / running / swapped queues, each kept in arrival order."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self._groups: dict[str, SequenceGroup] = {}
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        self.num_preemptions = 0  # total so far, recompute and swap
+        self.num_swap_outs = 0
+        self.num_ignored = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queue a new request (FCFS by arrival_time); its sequences must be new."""
+        if group.request_id in self._groups:
+            raise ValueError(f"request {group.request_id!r} is already scheduled")
+        if any(seq.seq_id in self._seqs or seq.num_computed_tokens for seq in group.seqs):
+            raise ValueError(f"request {group.request_id!r} reuses a sequence id or a computed sequence")
+        self._groups[group.request_id] = group
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+            self._seqs[seq.seq_id] = (seq, group)
+        bisect.insort_right(self.waiting, group, key=_by_arrival)
+
+    def get_seq(self, seq_id: int) -> Sequence | None:
+        """The unfinished-request sequence with this id, or None."""
+        entry = self._seqs.get(seq_id)
+        return entry[0] if entry is not None else None
+
+    def get_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """The unfinished request with this id, or None."""
+        return self._groups.get(request_id)
+
+    def abort_seq_group(self, request_id: str) -> bool:
+        """Finish every sequence of the request as aborted and free its blocks; False if unknown."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.unfinished_seqs():
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._drop_group(group)
+        return True
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish one sequence (stop string, EOS, length) and free its blocks at once."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        entry = self._seqs.get(seq.seq_id)
+        if entry is None or seq.status.is_finished:
+            return
+        self._finish(seq, status)
+        if entry[1].is_finished():
+            self._drop_group(entry[1])
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Add child to parent's group, sharing every block of the parent (ref counts + 1)."""
+        group = self._seqs[parent.seq_id][1]
+        if child.seq_id in self._seqs:
+            raise ValueError(f"seq {child.seq_id} already exists")
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.status = parent.status
+        child.num_computed_tokens = parent.num_computed_tokens
+        if all(s is not child for s in group.seqs):
+            group.seqs.append(child)
+        self._seqs[child.seq_id] = (child, group)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or swapped."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        """Requests whose blocks are on the GPU."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet (or preempted by recompute)."""
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose blocks are swapped out to CPU."""
+        return len(self.swapped)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running first, then swapped-in, then new requests, within the budget."""
+        st = _Step(budget=self.config.max_num_batched_tokens, seqs_left=self.config.max_num_seqs)
+        self._schedule_running(st)
+        # After a preemption memory is short: admitting or swapping in now would only thrash.
+        if not st.preempted:
+            self._schedule_swapped(st)
+            # Swapped groups come back before any new request takes their blocks.
+            if not self.swapped:
+                self._schedule_waiting(st)
+        scheduled = tuple(
+            ScheduledSeq(
+                seq_id=seq.seq_id,
+                request_id=group.request_id,
+                num_computed_tokens=seq.num_computed_tokens,
+                num_new_tokens=n,
+                token_ids=tuple(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]),
+                block_table=tuple(self.kv.get_block_table(seq.seq_id)),
+                do_sample=seq.num_computed_tokens + n == seq.num_tokens,
+            )
+            for seq, group, n in st.scheduled
+        )
+        return SchedulerOutput(
+            scheduled=scheduled,
+            blocks_to_swap_out=tuple(st.swap_out),
+            blocks_to_swap_in=tuple(st.swap_in),
+            blocks_to_copy=tuple(st.copies),
+            preempted=tuple(st.preempted),
+            ignored=tuple(st.ignored),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+        )
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled sequence past the tokens just computed; cache its newly full blocks."""
+        for s in out.scheduled:
+            entry = self._seqs.get(s.seq_id)
+            if entry is None:
+                continue  # aborted or finished since schedule()
+            seq = entry[0]
+            if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != s.num_computed_tokens:
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_block(seq)
+
+    # ---- phases --------------------------------------------------------------------------------------
+    def _schedule_running(self, st: _Step) -> None:
+        i = 0
+        while i < len(self.running) and st.budget > 0 and st.seqs_left > 0:
+            group = self.running[i]
+            items = self._chunk(group.get_seqs(SequenceStatus.RUNNING), st)
+            if not items:
+                i += 1
+                continue
+            copies = self.kv.allocate_group_slots(items)
+            while copies is None:
+                victim = self.running[-1]  # the latest-arrived group
+                if victim is not group:
+                    self._preempt(victim, st)
+                    copies = self.kv.allocate_group_slots(items)
+                elif i > 0:
+                    self._preempt(group, st)
+                    break
+                elif len(items) > 1:
+                    # Alone on the GPU: run as many of its sequences as fit; the rest wait for blocks.
+                    items.pop()
+                    copies = self.kv.allocate_group_slots(items)
+                else:
+                    # Alone on the GPU and one sequence still does not fit: it can never continue.
+                    self.running.pop()
+                    self._ignore(group, "the sequence outgrew the whole KV cache", st)
+                    break
+            if copies is not None:
+                st.commit(group, items, copies)
+                i += 1
+
+    def _schedule_swapped(self, st: _Step) -> None:
+        num_running_seqs = self._num_running_seqs()
+        while self.swapped and st.budget > 0 and st.seqs_left > 0:
+            group = self.swapped[0]
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            if self.running and num_running_seqs + len(seqs) > self.config.max_num_seqs:
+                return
+            items = self._chunk(seqs, st)
+            if not self._fits_swap_in(group, items):
+                if self.running:
+                    return
+                # Nothing else holds GPU blocks: bring back the sequences that fit; if even one alone does
+                # not, it never will.
+                while len(items) > 1 and not self._fits_swap_in(group, items):
+                    items.pop()
+                if not self._fits_swap_in(group, items):
+                    self.swapped.pop(0)
+                    self._ignore(group, "the request needs more blocks than the whole KV cache", st)
+                    continue
+            st.swap_in.extend(self.kv.swap_in(group))
+            self.swapped.pop(0)
+            self._set_status(seqs, SequenceStatus.RUNNING)
+            bisect.insort_right(self.running, group, key=_by_arrival)
+            num_running_seqs += len(seqs)
+            copies = self.kv.allocate_group_slots(items)
+            assert copies is not None, "swap-in checked the blocks this chunk needs"
+            st.commit(group, items, copies)
+
+    def _schedule_waiting(self, st: _Step) -> None:
+        num_running_seqs = self._num_running_seqs()
+        while self.waiting and st.budget > 0 and st.seqs_left > 0:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            reason = self._never_fits(seqs)
+            if reason is not None:
+                self.waiting.pop(0)
+                self._ignore(group, reason, st)
+                continue
+            if self.running and num_running_seqs + len(seqs) > self.config.max_num_seqs:
+                return
+            for seq in seqs:
+                seq.num_computed_tokens = self.kv.get_computed_blocks(seq)
+            items = self._chunk(seqs, st)
+            # The watermark keeps room for running sequences to grow; with nothing running it only stalls.
+            reserve = self.kv.watermark_blocks if self.running else 0
+            if not items or self.kv.num_free_gpu_blocks - self.kv.blocks_needed(items) < reserve:
+                for seq in seqs:
+                    self.kv.free(seq.seq_id)
+                    seq.num_computed_tokens = 0
+                return
+            copies = self.kv.allocate_group_slots(items)
+            assert copies is not None, "admission checked the blocks this chunk needs"
+            self.waiting.pop(0)
+            self._set_status(seqs, SequenceStatus.RUNNING)
+            bisect.insort_right(self.running, group, key=_by_arrival)
+            num_running_seqs += len(seqs)
+            st.commit(group, items, copies)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _chunk(self, seqs: list[Sequence], st: _Step) -> list[tuple[Sequence, int]]:
+        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget."""
+        items: list[tuple[Sequence, int]] = []
+        budget, seqs_left = st.budget, st.seqs_left
+        for seq in seqs:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining <= 0:
+                continue
+            n = min(remaining, budget)
+            if n <= 0 or seqs_left <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
+                break
+            items.append((seq, n))
+            budget -= n
+            seqs_left -= 1
+        return items
+
+    def _fits_swap_in(self, group: SequenceGroup, items: list[tuple[Sequence, int]]) -> bool:
+        # The watermark keeps room for running sequences to grow; with nothing running it only stalls.
+        need = self.kv.blocks_needed(items)
+        return self.kv.can_swap_in(group, need, use_watermark=bool(self.running))
+
+    def _never_fits(self, seqs: list[Sequence]) -> str | None:
+        cfg = self.config
+        for seq in seqs:
+            if seq.num_tokens > cfg.max_model_len:
+                return f"sequence of {seq.num_tokens} tokens is longer than max_model_len={cfg.max_model_len}"
+            if not cfg.enable_chunked_prefill and seq.num_tokens > cfg.max_num_batched_tokens:
+                return (
+                    f"sequence of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} and chunked prefill is off"
+                )
+        num_blocks = sum(cdiv(seq.num_tokens, self.kv.block_size) for seq in seqs)
+        if num_blocks > self.kv.num_gpu_blocks:
+            return f"needs {num_blocks} KV cache blocks but the GPU cache has only {self.kv.num_gpu_blocks}"
+        return None
+
+    def _preempt(self, group: SequenceGroup, st: _Step) -> None:
+        self.running.remove(group)
+        self.num_preemptions += 1
+        st.preempted.append(group.request_id)
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        mode = self.config.preemption_mode
+        # Swapping keeps the shared blocks of a multi-sequence group shared; recompute would lose that.
+        if (mode == "swap" or (mode is None and len(seqs) > 1)) and self.kv.can_swap_out(group):
+            st.swap_out.extend(self.kv.swap_out(group))
+            self._set_status(seqs, SequenceStatus.SWAPPED)
+            bisect.insort_right(self.swapped, group, key=_by_arrival)
+            self.num_swap_outs += 1
+            return
+        for seq in seqs:
+            # Generated tokens stay in token_ids: recompute rebuilds their K/V and generation continues.
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        self._set_status(seqs, SequenceStatus.WAITING)
+        bisect.insort_left(self.waiting, group, key=_by_arrival)
+
+    def _ignore(self, group: SequenceGroup, reason: str, st: _Step) -> None:
+        """Finish a group that can never be scheduled (it is already out of every queue)."""
+        for seq in group.unfinished_seqs():
+            self._finish(seq, SequenceStatus.FINISHED_IGNORED)
+        self._groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seqs.pop(seq.seq_id, None)
+        st.ignored.append((group.request_id, reason))
+        self.num_ignored += 1
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        self.kv.free(seq.seq_id)
+
+    def _drop_group(self, group: SequenceGroup) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            for i, g in enumerate(queue):
+                if g is group:
+                    del queue[i]
+                    break
+        self._groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seqs.pop(seq.seq_id, None)
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.num_unfinished_seqs() for g in self.running)
+
+    @staticmethod
+    def _set_status(seqs: list[Sequence], status: SequenceStatus) -> None:
+        for seq in seqs:
+            seq.status = status

@@ -1,0 +1,109 @@
+"""Sequence state: the token ids of one generation stream and how far its KV cache has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: queued, on the GPU, swapped to CPU, or finished (and why)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every FINISHED_* status."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_IGNORED,
+    }
+)
+
+
+class Sequence:
+    """One stream of tokens (prompt + generated output) and its progress through the model."""
+
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed_tokens", "status")
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        # Tokens whose K/V are in the cache; the rest (at least the newest token) still need a forward pass.
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt part of token_ids (a copy)."""
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated part of token_ids (a copy)."""
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output length."""
+        return len(self.token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        """Append one sampled token; its K/V will be computed in the next step."""
+        self.token_ids.append(token_id)
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        """A copy of this sequence's token state under a new id (its blocks are shared by the manager)."""
+        child = Sequence(new_seq_id, self.token_ids)
+        child.prompt_len = self.prompt_len
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, prompt={self.prompt_len}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request (n > 1 and beam search fork children into the same group)."""
+
+    request_id: str
+    seqs: list[Sequence]
+    arrival_time: float
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        """All sequences, or those with the given status."""
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        """Sequences that are not finished."""
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    def num_unfinished_seqs(self) -> int:
+        """How many sequences are not finished."""
+        return sum(1 for s in self.seqs if not s.status.is_finished)
+
+    def is_finished(self) -> bool:
+        """True once every sequence is finished."""
+        return all(s.status.is_finished for s in self.seqs)
