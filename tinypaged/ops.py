@@ -178,12 +178,23 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`)."""
+    """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`).
+
+    `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
+    host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
+    under CUDA graphs).
+    """
     if _triton(q):
         from tinypaged.kernels import paged_attention as kernel
 
-        return kernel(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
+        return kernel(
+            q, kv_layer, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )
     return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
 
 

@@ -1,0 +1,8 @@
+"""Triton kernels of tinypaged, installed as `tinypaged.kernels`; `tinypaged.ops` is the facade over them."""
+
+from .attention import paged_attention
+from .cache import copy_blocks, write_kv
+from .norm import rms_norm
+from .rotary import rotary_embedding
+
+__all__ = ["copy_blocks", "paged_attention", "rms_norm", "rotary_embedding", "write_kv"]

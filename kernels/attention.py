@@ -1,0 +1,350 @@
+"""Paged attention for ragged batches: one Triton kernel, launched in decode mode and/or prefill mode.
+
+Each program owns one KV head and a tile of BLOCK_M rows; a row is (query token, query head) with the G query
+heads that share the KV head packed side by side (GQA packing), so each KV tile is read once for all of them.
+- Decode mode (sequences with one new token): program = (sequence, KV head, split); the sequence's KV tiles
+  are divided evenly among the splits, which write fp32 partials that `_reduce_kernel` combines
+  (flash decoding).
+- Prefill mode (sequences with more than one new token): program = (query block, KV head); a query block
+  holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
+  so that the grid is sized from tensor shapes alone (no host sync).
+Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
+without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# A finite "minus infinity" for the running max: a row or split that sees no key keeps l = 0 without NaNs.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_seq(query_start_loc, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first query block, `query_start_loc[i] // BLOCK_Q + i`, is <= target."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos,
+    k_ptr, v_ptr, bt_row, kv_head_off, seq_len, tile_lo, tile_hi,
+    stride_kb, stride_kt, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with KV tiles [tile_lo, tile_hi) of one sequence/KV head."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(tile_lo * BLOCK_N, tile_hi * BLOCK_N, BLOCK_N):
+        k_pos = start_n + offs_n
+        if MASKED:
+            kv_ok = k_pos < seq_len
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        row_off = block * stride_kb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
+        kv_off = row_off[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_off)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _paged_attn_kernel(
+    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kv, stride_kb, stride_kt, stride_kh, stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr, SKIP_SINGLE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
+    # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
+    # every KV head of their tokens) run side by side.
+    kv_head = tl.program_id(0)
+    k_ptr = kv_ptr
+    v_ptr = kv_ptr + stride_kv
+    if DECODE:
+        seq = tl.program_id(1)
+        q_block = 0
+    else:
+        # Reversed so that the last (longest, under the causal mask) query blocks start first.
+        target = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq = _find_seq(query_start_loc_ptr, target, num_seqs, BLOCK_Q)
+        q_block = target - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if DECODE:
+        if q_len != 1:
+            return
+    else:
+        if q_block * BLOCK_Q >= q_len:
+            return
+        if SKIP_SINGLE:
+            if q_len == 1:  # left to the decode launch of the same batch
+                return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = offs_m // G
+    head = kv_head * G + offs_m % G
+    q_idx = q_block * BLOCK_Q + tok
+    row_ok = (tok < BLOCK_Q) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None], other=0.0,
+    )
+
+    # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
+    first_pos = ctx_len + q_block * BLOCK_Q
+    end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    n_tiles = tl.cdiv(end, BLOCK_N)
+    n_full = tl.minimum((first_pos + 1) // BLOCK_N, n_tiles)
+    if SPLIT_KV:
+        split = tl.program_id(2)
+        per_split = tl.cdiv(n_tiles, num_splits)
+        lo = tl.minimum(split * per_split, n_tiles)
+        hi = tl.minimum(lo + per_split, n_tiles)
+    else:
+        lo = 0
+        hi = n_tiles
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_kh
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, kv_head_off, seq_len,
+        lo, tl.minimum(hi, n_full), stride_kb, stride_kt, qk_scale,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PREC,
+    )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, kv_head_off, seq_len,
+        tl.maximum(lo, n_full), hi, stride_kb, stride_kt, qk_scale,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PREC,
+    )
+
+    if SPLIT_KV:
+        # Partials [num_splits, num_seqs, Hq, D] (unnormalised) and [2, num_splits, num_seqs, Hq] (m, l).
+        hq = tl.num_programs(0) * G
+        part_row = (split * num_seqs + seq).to(tl.int64) * hq + head
+        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        ml_stride = num_splits * num_seqs * hq
+        tl.store(part_ml_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml_stride + part_row, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _reduce_kernel(
+    out_ptr, part_o_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+):
+    """Combine the split-KV partials of one (decode sequence, query head) into its output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+        return
+    hq = tl.num_programs(1)
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    part_row = (offs_s * num_seqs + seq).to(tl.int64) * hq + head
+    m = tl.load(part_ml_ptr + part_row, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + num_splits * num_seqs * hq + part_row, mask=s_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile shape and launch parameters of one mode of the attention kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    maxnreg: int | None = None  # a register cap, to keep a whole number of programs resident per SM
+
+
+# Decode programs resident per SM with the default decode tile (capped at 128 registers x 128 threads; 39 KB
+# of shared memory): the split choice counts waves of this many programs.
+_DECODE_PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_configs(q: torch.Tensor, num_queries_per_kv: int) -> tuple[AttnConfig, AttnConfig]:
+    """(decode, prefill) tile configs for this device and shape; tiny tiles under the interpreter."""
+    return _default_configs(q.is_cuda, num_queries_per_kv, q.shape[-1])
+
+
+@functools.cache
+def _default_configs(is_cuda: bool, g: int, head_dim: int) -> tuple[AttnConfig, AttnConfig]:
+    rows = max(16, triton.next_power_of_2(g))
+    if not is_cuda:  # TRITON_INTERPRET: small tiles, so that tiny test shapes span several of them
+        return AttnConfig(rows, 16), AttnConfig(max(32, rows), 16)
+    # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md).
+    decode = AttnConfig(rows, 64, num_warps=4, num_stages=3, maxnreg=128)
+    if head_dim <= 64:
+        prefill = AttnConfig(max(128, rows), 64, num_warps=4, num_stages=4)
+    else:
+        prefill = AttnConfig(max(256, rows), 64, num_warps=8, num_stages=3)
+    return decode, prefill
+
+
+def choose_num_splits(
+    q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
+) -> int:
+    """KV splits for decode: the fewest that minimise the waves of equal programs, each at least 4 tiles."""
+    if not q.is_cuda:
+        return 1
+    slots = _DECODE_PROGRAMS_PER_SM * _num_sms(q.device)
+    return _choose_num_splits(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
+
+
+@functools.cache
+def _choose_num_splits(programs: int, slots: int, max_splits: int) -> int:
+    # Time ~ waves of programs (a partly filled last wave costs a whole one) / splits, plus a guess of the
+    # costs that grow with the split count (per-program setup, partials) and of the reduce launch.
+    best, best_cost = 1, float(triton.cdiv(programs, slots))
+    for s in range(2, max_splits + 1):
+        cost = triton.cdiv(programs * s, slots) / s * (1.02 + 0.01 * s)
+        if cost < best_cost * 0.999:
+            best, best_cost = s, cost
+    return best
+
+
+def _launch_options(q: torch.Tensor, cfg: AttnConfig) -> dict[str, int]:
+    return {"maxnreg": cfg.maxnreg} if q.is_cuda and cfg.maxnreg else {}
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    configs: tuple[AttnConfig, AttnConfig] | None = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`).
+
+    `max_query_len` (longest new-token run in the batch) and `max_seq_len` (an upper bound of `seq_lens`) are
+    hints that keep the launch free of host syncs; without them `max_query_len` is 1 when T == B and is read
+    from `query_start_loc` otherwise, and `max_seq_len` is bounded by the block table's width.
+    `num_kv_splits` forces the decode split count (1 = no split-KV); `out` is an optional `[T, Hq, D]` output.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
+    num_seqs = seq_lens.shape[0]
+    g = num_heads // num_kv_heads
+    assert num_heads == g * num_kv_heads and kv_dim == head_dim, "bad head counts or head dims"
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim must be a power of 2"
+    assert kv_layer.stride(-1) == 1 and q.stride(-1) == 1 and block_tables.stride(-1) == 1
+    if max_query_len is None:  # T == B: every sequence has its one new token (a scheduled one has >= 1)
+        max_query_len = 1 if num_tokens == num_seqs else int(query_start_loc.diff().max())
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    decode_cfg, prefill_cfg = configs or default_configs(q, g)
+    common = dict(
+        qk_scale=scale * _LOG2E, num_seqs=num_seqs,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_kv=kv_layer.stride(0), stride_kb=kv_layer.stride(1), stride_kt=kv_layer.stride(2),
+        stride_kh=kv_layer.stride(3),
+        stride_bt=block_tables.stride(0),
+        G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    tensors = (block_tables, seq_lens, query_start_loc)
+
+    if max_query_len > 1:
+        cfg = prefill_cfg
+        block_q = cfg.block_m // g
+        grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + num_seqs, 1)
+        _paged_attn_kernel[grid](
+            q, kv_layer, out, out, out, *tensors, **common,
+            BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+            num_splits=1, DECODE=False, SKIP_SINGLE=True, SPLIT_KV=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(q, cfg),
+        )
+        if num_tokens >= num_seqs * max_query_len:  # no sequence has a single new token
+            return out
+
+    cfg = decode_cfg
+    splits = num_kv_splits or choose_num_splits(q, num_seqs, num_kv_heads, max_seq_len, cfg.block_n)
+    if splits > 1:
+        part_o = torch.empty((splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out
+    _paged_attn_kernel[(num_kv_heads, num_seqs, splits)](
+        q, kv_layer, out, part_o, part_ml, *tensors, **common,
+        BLOCK_M=cfg.block_m, BLOCK_Q=1, BLOCK_N=cfg.block_n,
+        num_splits=splits, DECODE=True, SKIP_SINGLE=False, SPLIT_KV=splits > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(q, cfg),
+    )
+    if splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_o, part_ml, query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out

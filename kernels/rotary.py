@@ -1,0 +1,66 @@
+"""Neox-style rotary embedding of q and k: one program per token, every head of both in one pass."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, n_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given."""
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    ok = (heads[:, None] < n_heads) & (cols[None, :] < HALF)
+    x_lo = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(x_lo, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_lo + HALF, mask=ok, other=0.0).to(tl.float32)
+    o_lo = o_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    dtype = o_ptr.dtype.element_ty
+    tl.store(o_lo, (x1 * cos - x2 * sin).to(dtype), mask=ok)
+    tl.store(o_lo + HALF, (x2 * cos + x1 * sin).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr, n_q_heads, n_k_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    """Rotary embedding of all q and k heads of one token."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    c_ok = cols < HALF
+    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, n_k_heads, cos, sin,
+                  HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` into new tensors (semantics: `ops.ref_rotary_embedding`)."""
+    num_tokens, n_q_heads, head_dim = q.shape
+    n_k_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        half = head_dim // 2
+        block_hq = triton.next_power_of_2(n_q_heads)
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos_sin_cache, q_out, k_out, n_q_heads, n_k_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=block_hq,
+            BLOCK_HK=triton.next_power_of_2(n_k_heads),
+            num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
+        )
+    return q_out, k_out

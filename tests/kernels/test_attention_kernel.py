@@ -1,0 +1,106 @@
+"""Paged attention kernel against `ref_paged_attention` on small ragged batches (Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinypaged import kernels as tk
+from tinypaged import ops
+
+attention = tk.attention
+AttnConfig = attention.AttnConfig
+
+
+def make_batch(
+    q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, g: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """Random q and cache; shuffled block tables padded with -1 (never to be read) and spare blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens, strict=True)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    width = max(blocks_per_seq) + 2
+    num_blocks = sum(blocks_per_seq) + 5
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(q_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(sum(q_lens), num_kv_heads * g, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kv, block_tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element written, and the relative error within the dtype's rounding."""
+    assert not out.isnan().any(), "unwritten or NaN output"
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < (1e-5 if out.dtype == torch.float32 else 3e-3), err
+
+
+def run(q, kv, block_tables, seq_lens, query_start_loc, **kwargs) -> torch.Tensor:
+    """The kernel with a NaN-poisoned output, and the reference."""
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    attention.paged_attention(q, kv, block_tables, seq_lens, query_start_loc, scale, out=out, **kwargs)
+    check(out, ops.ref_paged_attention(q, kv, block_tables, seq_lens, query_start_loc, scale))
+    return out
+
+
+# (G, head_dim, block_size, dtype, KV splits for the decode rows)
+MIXED = [
+    (1, 64, 8, torch.float32, 1),
+    (3, 64, 16, torch.float16, 2),
+    (4, 128, 16, torch.float16, 1),
+    (4, 128, 32, torch.float32, 3),
+    (8, 64, 32, torch.float16, 4),
+    (8, 128, 8, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize(("g", "head_dim", "block_size", "dtype", "splits"), MIXED)
+def test_mixed_batch(g: int, head_dim: int, block_size: int, dtype: torch.dtype, splits: int) -> None:
+    """Decodes, fresh prefills, chunked prefills over cached context, and partial last blocks in one batch."""
+    q_lens = [1, 9, 1, 23, 4, 1]
+    ctx_lens = [37, 0, 5, 18, 50, 0]
+    batch = make_batch(q_lens, ctx_lens, 2, g, head_dim, block_size, dtype, seed=g * head_dim + block_size)
+    run(*batch, num_kv_splits=splits)
+
+
+@pytest.mark.parametrize(("g", "splits"), [(1, 1), (4, 1), (4, 2), (3, 5), (8, 3)])
+def test_decode_only(g: int, splits: int) -> None:
+    """Single-token queries with split-KV on and off, including splits left empty by short sequences."""
+    ctx_lens = [0, 15, 16, 70, 33]
+    batch = make_batch([1] * 5, ctx_lens, 2, g, 64, 16, torch.float16, seed=splits + 10 * g)
+    run(*batch, num_kv_splits=splits, max_query_len=1, max_seq_len=71)
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_prefill_tiles(g: int) -> None:
+    """Small tiles so that each sequence spans several query blocks and KV tiles, with and without context."""
+    q_lens = [40, 3, 17]
+    ctx_lens = [0, 29, 45]
+    batch = make_batch(q_lens, ctx_lens, 2, g, 64, 8, torch.float32, seed=g)
+    configs = (AttnConfig(16, 16), AttnConfig(16, 16))
+    run(*batch, configs=configs, max_query_len=40, max_seq_len=62)
+
+
+def test_hints_and_strided_q() -> None:
+    """q as a strided view of a fused qkv tensor; the launch hints change nothing."""
+    q_lens, ctx_lens = [5, 1, 12], [3, 20, 0]
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, ctx_lens, 2, 4, 64, 16, torch.float16, seed=7)
+    qkv = torch.randn(q.shape[0], 12, 64).to(torch.float16)
+    qkv[:, :8] = q
+    a = run(qkv[:, :8], kv, bt, seq_lens, qsl)
+    b = run(qkv[:, :8], kv, bt, seq_lens, qsl, max_query_len=12, max_seq_len=32, num_kv_splits=2)
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+
+
+def test_facade() -> None:
+    """`ops.paged_attention` routes to the kernel under the interpreter with the signature it calls."""
+    q, kv, bt, seq_lens, qsl = make_batch([2, 1], [6, 9], 1, 3, 64, 8, torch.float32, seed=3)
+    out = ops.paged_attention(q, kv, bt, seq_lens, qsl, 0.2)
+    check(out, ops.ref_paged_attention(q, kv, bt, seq_lens, qsl, 0.2))
