@@ -1,13 +1,12 @@
 """Our Llama over a paged cache against HF transformers (test-only oracle), on tiny random checkpoints."""
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from tinypaged.config import ModelConfig
-from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.model import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,49 +50,9 @@ def _make_checkpoint(tmp: Path, name: str) -> Path:
     return out
 
 
-def run_paged(model, prompts: list[list[int]], block_size: int, decode_steps: list[list[int]]):
-    """Prefill all prompts in one ragged batch, then decode the given tokens one step at a time.
-
-    Returns the logits of every position of every prompt, then of each decode step: list per sequence."""
-    cfg = model.cfg
-    total = [len(p) + len(d) for p, d in zip(prompts, decode_steps, strict=True)]
-    width = max(math.ceil(n / block_size) for n in total)
-    num_blocks = width * len(prompts) + 3
-    cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    tables = [[perm.pop() for _ in range(width)] for _ in prompts]
-    bt = torch.tensor(tables, dtype=torch.int32)
-
-    def forward(chunks: list[list[int]], firsts: list[int]) -> list[torch.Tensor]:
-        ids, pos, slots, starts = [], [], [], [0]
-        for chunk, first, table in zip(chunks, firsts, tables, strict=True):
-            ids += chunk
-            rng = range(first, first + len(chunk))
-            pos += list(rng)
-            slots += [table[p // block_size] * block_size + p % block_size for p in rng]
-            starts.append(starts[-1] + len(chunk))
-        meta = AttentionMetadata(
-            torch.tensor(slots),
-            bt,
-            torch.tensor([f + len(c) for f, c in zip(firsts, chunks, strict=True)], dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
-        with torch.inference_mode():
-            logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), cache, meta))
-        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
-
-    results = forward(prompts, [0] * len(prompts))
-    lengths = [len(p) for p in prompts]
-    for step in range(len(decode_steps[0])):
-        outs = forward([[d[step]] for d in decode_steps], lengths)
-        results = [torch.cat([r, o]) for r, o in zip(results, outs, strict=True)]
-        lengths = [n + 1 for n in lengths]
-    return results
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("block_size", [1, 8, 16])
-def test_logits_match_hf(tmp_path: Path, variant: str, block_size: int) -> None:
+def test_logits_match_hf(tmp_path: Path, variant: str, block_size: int, run_paged) -> None:
     path = _make_checkpoint(tmp_path, variant)
     hf = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     ours = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 256)

@@ -1,0 +1,136 @@
+"""Offline generation on the default model: against the HF oracle, batched vs alone, sampling, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.config import ModelConfig
+from tinypaged.model import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Water boils at a temperature of",
+    "1, 2, 3, 4,",
+]
+
+
+def test_logits_match_gguf_oracle(model_dir, oracle_model, llm: LLM, run_paged) -> None:
+    tok = llm.get_tokenizer()
+    model = load_model(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), 512)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    got = run_paged(model, prompts, 16, [[] for _ in prompts])
+    worst = 0.0
+    for ids, logits in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            want = oracle_model(torch.tensor([ids])).logits[0]
+        worst = max(worst, (logits - want).abs().max().item())
+    assert worst < 1e-3, f"max-abs logit difference {worst}"
+
+
+def test_greedy_continuations_match_gguf_oracle(oracle_model, llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = tok.encode(prompt)
+        want: list[int] = []
+        step, past = torch.tensor([ids]), None
+        with torch.no_grad():  # a plain argmax loop: the oracle must neither stop at EOS nor suppress it
+            for _ in range(32):
+                res = oracle_model(step, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                want.append(int(res.logits[0, -1].argmax()))
+                step = torch.tensor([[want[-1]]])
+        assert out.outputs[0].token_ids == want, prompt
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_batched_equals_alone(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    together = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        alone = llm.generate(prompt, params)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_token_id_prompts_and_eos(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    ids = tok.encode(chat)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=200))[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].finish_reason == "stop"  # the instruct model ends its answer with <|im_end|>
+    assert 0 < len(out.outputs[0].token_ids) < 200
+    assert out.outputs[0].token_ids[-1] == tok.eos_token_id
+
+
+def test_seeded_sampling_repeats_and_differs(llm: LLM) -> None:
+    def sample(seed: int) -> list[int]:
+        p = SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=16, ignore_eos=True)
+        return llm.generate("My favourite animal is", p)[0].outputs[0].token_ids
+
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a == b
+    assert a != c
+    # The seed fixes a request's draw whatever else is in the batch.
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(["My favourite animal is", "Another prompt entirely"], [p, SamplingParams(temperature=1.0)])
+    assert batch[0].outputs[0].token_ids == a
+
+
+def test_stop_strings_and_token_ids(llm: LLM) -> None:
+    free = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
+    assert " 6" in free.text
+    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == " 6"
+    assert cut.text == free.text[: free.text.index(" 6")]
+    first = free.token_ids[2]
+    by_id = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first]))
+    assert by_id[0].outputs[0].token_ids == free.token_ids[:3]
+    assert by_id[0].outputs[0].stop_reason == first
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+        ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "out of range"),
+        ("hi " * 9000, SamplingParams(), "max_model_len"),
+    ],
+)
+def test_bad_prompts(llm: LLM, prompt, params, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+        (dict(logprobs=99), "logprobs"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,95 @@
+"""The offline entry point, vLLM-compatible: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
+from tinypaged.engine.llm_engine import LLMEngine, Prompt
+from tinypaged.outputs import RequestOutput
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.weights.fetch import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+
+
+class LLM:
+    """A model with its engine, for batched offline generation."""
+
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        swap_space: float = 4.0,
+        enable_prefix_caching: bool = False,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        preemption_mode: Literal["recompute", "swap"] | None = None,
+    ) -> None:
+        cache = CacheConfig(
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            swap_space=swap_space,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.config = EngineConfig(
+            model=ModelConfig.from_dir(model),
+            cache=cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len or 0,
+            preemption_mode=preemption_mode,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+        )
+        self.engine = LLMEngine(self.config)
+        self._next_id = 0
+
+    def get_tokenizer(self):  # noqa: ANN201 (vLLM's name)
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched; outputs come back in the prompts' order.
+
+        All prompts are checked before any runs, so a bad one raises ValueError and nothing is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in prompts:
+            self.engine.tokenize_prompt(p)
+        ids = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            rid = str(self._next_id)
+            self._next_id += 1
+            self.engine.add_request(rid, prompt, sp)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
