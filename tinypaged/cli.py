@@ -41,6 +41,10 @@ def _generate(args: argparse.Namespace) -> int:
     from tinypaged.llm import LLM
     from tinypaged.sampling_params import SamplingParams
 
+    from tinypaged.llm import DEFAULT_MODEL
+
+    if args.model == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
+        raise ConfigError(f"the default model is not at {DEFAULT_MODEL}: run `tinypaged weights fetch` first")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     prompt = args.prompt
     llm = LLM(model=args.model, **_engine_kwargs(args))

@@ -1,0 +1,106 @@
+"""The CLI on bad input: one `error:` line on stderr and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinypaged.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_dir: Path) -> Path:
+    """A tiny random Llama with the default model's tokenizer (vocab sized to match)."""
+    out = tmp_path_factory.mktemp("tiny")
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_works(capsys, tiny_model: Path) -> None:
+    code, out, err = _run(capsys, "generate", "--model", str(tiny_model), "--max-tokens", "3", "Hello")
+    assert code == 0 and err == ""
+    assert out.endswith("\n")
+
+
+def _bad_config(tmp: Path, tiny: Path) -> Path:
+    d = _copy(tiny, tmp / "gpt2")
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return d
+
+
+def _corrupt(tmp: Path, tiny: Path) -> Path:
+    d = _copy(tiny, tmp / "corrupt")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    return d
+
+
+def _truncated(tmp: Path, tiny: Path) -> Path:
+    d = _copy(tiny, tmp / "truncated")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return d
+
+
+def _missing_tensor(tmp: Path, tiny: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(tiny, tmp / "missing")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize(
+    "make,extra,message",
+    [
+        (lambda tmp, tiny: tmp / "nope", [], "model directory not found"),
+        (_bad_config, [], "unsupported model architecture 'gpt2'"),
+        (_corrupt, [], "cannot read checkpoint"),
+        (_truncated, [], "cannot read checkpoint"),
+        (_missing_tensor, [], "lacks 1 tensor"),
+        (lambda tmp, tiny: tiny, ["--max-tokens", "0", "Hi"], "max_tokens must be at least 1"),
+        (lambda tmp, tiny: tiny, ["--max-tokens", "-4", "Hi"], "max_tokens must be at least 1"),
+        (lambda tmp, tiny: tiny, [""], "the prompt is empty"),
+        (lambda tmp, tiny: tiny, ["word " * 100], "more than max_model_len (64)"),
+        (lambda tmp, tiny: tiny, ["--max-model-len", "1000", "Hi"], "exceeds the model's context"),
+        (lambda tmp, tiny: tiny, ["--block-size", "3", "Hi"], "block_size"),
+    ],
+    ids=[
+        "missing-dir", "non-llama", "corrupt", "truncated", "missing-tensor", "max-tokens-0", "max-tokens-neg",
+        "empty-prompt", "prompt-too-long", "max-model-len", "block-size",
+    ],
+)
+def test_bad_input_one_error_line(capsys, tmp_path: Path, tiny_model: Path, make, extra, message) -> None:
+    model = make(tmp_path, tiny_model)
+    argv = ["generate", "--model", str(model)] + (extra or ["Hello"])
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0]
