@@ -140,6 +140,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs for decode batches
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:

@@ -32,6 +32,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         preemption_mode: Literal["recompute", "swap"] | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -50,6 +51,7 @@ class LLM:
             dtype=dtype,
             device=device,
             seed=seed,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(self.config)
         self._next_id = 0

@@ -6,22 +6,38 @@ A slot is `block_id * block_size + offset`; token N of a sequence lives in slot
 `block_table[N // block_size] * block_size + N % block_size`.
 
 Setting TRITON_INTERPRET=1 (before import) routes CPU tensors through the Triton kernels too, so that the
-kernels can be tested on a machine without a GPU.
+kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 (or entering
+`torch_reference_ops()`) does the opposite: CUDA tensors go through the torch references, e.g. to check the
+kernels' numerics end to end on a GPU (the model runner then runs every step eagerly).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
 
 
-def _triton(x: torch.Tensor) -> bool:
+def uses_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernel (rather than the torch reference) handles this tensor."""
-    return x.is_cuda or _INTERPRET
+    return (x.is_cuda and not _TORCH_OPS) or _INTERPRET
+
+
+@contextlib.contextmanager
+def torch_reference_ops() -> Iterator[None]:
+    """While active, CUDA tensors go through the torch references (as with TINYPAGED_TORCH_OPS=1)."""
+    global _TORCH_OPS
+    before, _TORCH_OPS = _TORCH_OPS, True
+    try:
+        yield
+    finally:
+        _TORCH_OPS = before
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -144,7 +160,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, optionally fused with the residual add (see `ref_rms_norm`)."""
-    if _triton(x):
+    if uses_triton(x):
         from tinypaged.kernels import rms_norm as kernel
 
         return kernel(x, weight, eps, residual)
@@ -155,7 +171,7 @@ def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q and k (see `ref_rotary_embedding`)."""
-    if _triton(q):
+    if uses_triton(q):
         from tinypaged.kernels import rotary_embedding as kernel
 
         return kernel(positions, q, k, cos_sin_cache)
@@ -164,7 +180,7 @@ def rotary_embedding(
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new keys and values into their slots (see `ref_write_kv`)."""
-    if _triton(key):
+    if uses_triton(key):
         from tinypaged.kernels import write_kv as kernel
 
         return kernel(key, value, kv_layer, slot_mapping)
@@ -188,7 +204,7 @@ def paged_attention(
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
     under CUDA graphs).
     """
-    if _triton(q):
+    if uses_triton(q):
         from tinypaged.kernels import paged_attention as kernel
 
         return kernel(
@@ -202,7 +218,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy-on-write: copy many (src, dst) blocks across all layers at once (see `ref_copy_blocks`)."""
     if block_mapping.numel() == 0:
         return
-    if _triton(kv_cache):
+    if uses_triton(kv_cache):
         from tinypaged.kernels import copy_blocks as kernel
 
         return kernel(kv_cache, block_mapping)

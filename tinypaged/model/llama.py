@@ -23,6 +23,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
     query_start_loc: torch.Tensor  # [B + 1] int32
+    # Host-side bounds that keep the attention launch free of device syncs (None: the kernel derives them).
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
 
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
@@ -84,7 +87,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.write_kv(k, v, kv_layer, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
+        out = ops.paged_attention(
+            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        )
         return self.o_proj(out.view(t, self.q_size))
 
 

@@ -1,0 +1,453 @@
+"""Offline throughput, as vLLM's benchmark_throughput: workload W1 (DESIGN.md) through `LLM.generate`, against
+HF transformers' static-batch `generate()` on the same random-weight model in the same run, and against the
+workload's roofline.
+
+W1: 256 requests, prompt lengths uniform in [64, 1024], output lengths uniform in [32, 512] (EOS ignored),
+uniformly random token ids, seed 1, all submitted at once.
+
+    tinypaged weights random --config llama-3.1-8b --out /tmp/llama-3.1-8b
+    python benchmarks/throughput.py --model /tmp/llama-3.1-8b --hf-requests 64 --latency --check \\
+        --out benchmarks/results/throughput-h200.json
+
+Roofline (as DESIGN.md defines it): every decode step of an ideal schedule (all requests prefilled, then
+decoded together; step k serves the requests with more than k output tokens) reads the weights once and the
+K/V of every live context at the copy bandwidth, 4.28 TB/s; the prefills run at the matmul rate, 680 TFLOP/s.
+A stricter variant charges each decode step max(bytes, FLOPs) and is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from latency import (  # noqa: E402 (a sibling script)
+    COPY_TBPS,
+    MATMUL_TFLOPS,
+    StepRecorder,
+    _kernel_table,
+    _sync,
+    fp32_greedy_check,
+    free_llm,
+    hf_checks,
+    kv_bytes_per_token,
+    layer_params,
+    load_hf,
+    prefill_flops,
+    run_checks,
+    run_latency,
+    step_weight_bytes,
+)
+
+from tinypaged import LLM, SamplingParams  # noqa: E402
+from tinypaged.config import ModelConfig  # noqa: E402
+
+
+def make_workload(
+    n: int, vocab: int, seed: int = 1, prompt=(64, 1024), output=(32, 512)
+) -> list[tuple[list[int], int]]:
+    """W1's requests: (prompt token ids, output length)."""
+    rng = np.random.default_rng(seed)
+    p_lens = rng.integers(prompt[0], prompt[1] + 1, size=n)
+    o_lens = rng.integers(output[0], output[1] + 1, size=n)
+    return [
+        (rng.integers(0, vocab, size=int(p)).tolist(), int(o)) for p, o in zip(p_lens, o_lens, strict=True)
+    ]
+
+
+def roofline(cfg: ModelConfig, work: list[tuple[list[int], int]]) -> dict[str, float]:
+    """Seconds the workload needs at the copy bandwidth (decode) and the matmul rate (prefill)."""
+    bw, rate = COPY_TBPS * 1e12, MATMUL_TFLOPS * 1e12
+    p = np.array([len(w[0]) for w in work], dtype=np.float64)
+    o = np.array([w[1] for w in work], dtype=np.float64)
+    weights, kvb = step_weight_bytes(cfg), kv_bytes_per_token(cfg)
+    flops_token = 2 * (
+        layer_params(cfg) - 2 * cfg.num_layers * cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
+    )
+    attn_flops_ctx = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers
+    decode_bytes_s = decode_strict_s = decode_per_op_s = 0.0
+    steps = 0
+    for k in range(2, int(o.max()) + 1):  # output token k (the first comes from the prefill)
+        live = o >= k
+        ctx = float((p[live] + k - 1).sum())
+        n = int(live.sum())
+        t_bytes = (weights + ctx * kvb) / bw
+        t_flops = (n * flops_token + ctx * attn_flops_ctx) / rate
+        decode_bytes_s += t_bytes
+        decode_strict_s += max(t_bytes, t_flops)
+        # Matmuls and attention run one after the other: each at its own floor.
+        decode_per_op_s += max(weights / bw, n * flops_token / rate) + max(
+            ctx * kvb / bw, ctx * attn_flops_ctx / rate
+        )
+        steps += 1
+    prefill_s = sum(prefill_flops(cfg, int(n)) for n in p) / rate
+    return {
+        "decode_steps": steps,
+        "decode_bytes_s": decode_bytes_s,
+        "decode_strict_s": decode_strict_s,
+        "prefill_s": prefill_s,
+        "total_s": decode_bytes_s + prefill_s,
+        "total_strict_s": decode_strict_s + prefill_s,
+        "decode_per_op_s": decode_per_op_s,
+        "total_per_op_s": decode_per_op_s + prefill_s,
+    }
+
+
+def run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """W1 through LLM.generate, timed end to end (all requests submitted at once)."""
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    # Warm-up on a few short requests: compiles the eager kernels' shapes outside the timed run.
+    llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 4)
+    rec = StepRecorder(llm)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    rec.close()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(o for _, o in work), "every request must produce exactly its output length"
+    n_in = sum(len(p) for p, _ in work)
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "prompt_tokens": n_in,
+        "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "steps": rec.summary(llm.engine.runner.block_size),
+    }
+
+
+def profile_ours(llm: LLM, work: list[tuple[list[int], int]], windows: int = 20) -> dict[str, Any]:
+    """torch.profiler over two windows of W1's steps, a mixed one and a decode-only one: GPU kernel time
+    by kernel and by op class, against the window's wall time (the rest is host time, GPU idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for i, (p, o) in enumerate(work):
+        engine.add_request(
+            f"prof-{i}",
+            {"prompt_token_ids": p},
+            SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True),
+        )
+    result: dict[str, Any] = {}
+    step = 0
+    decode_seen = 0
+    while engine.has_unfinished_requests() and len(result) < 2:
+        running = engine.scheduler.running
+        decoding = not engine.scheduler.waiting and all(
+            s.num_computed_tokens >= s.prompt_len for g in running for s in g.seqs
+        )
+        decode_seen += decoding
+        name = "mixed" if step == 4 and "mixed" not in result else None
+        if decoding and decode_seen == 50 and "decode" not in result:
+            name = "decode"
+        if name is None:
+            engine.step()
+            step += 1
+            continue
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(windows):
+                engine.step()
+            _sync()
+            wall = time.perf_counter() - t0
+        step += windows
+        result[name] = _kernel_table(prof, wall, windows)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return result
+
+
+def run_hf_static(model: Any, work: list[tuple[list[int], int]], batch: int) -> dict[str, Any]:
+    """HF static-batch generate(): left-padded batches of `batch`, each run to its longest output; only the
+    requested output tokens count."""
+    device = model.device
+    elapsed = useful = generated = 0
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        max_new = max(o for _, o in chunk)
+        ids, mask = ids.to(device), mask.to(device)
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
+        _sync()
+        elapsed += time.perf_counter() - t0
+        assert out.shape[1] == width + max_new
+        useful += sum(o for _, o in chunk)
+        generated += len(chunk) * max_new
+    n_in = sum(len(p) for p, _ in work)
+    return {
+        "requests": len(work),
+        "batch": batch,
+        "elapsed_s": elapsed,
+        "output_tokens": useful,
+        "output_tokens_per_s": useful / elapsed,
+        "total_tokens_per_s": (n_in + useful) / elapsed,
+        "generated_tokens_incl_padding_per_s": generated / elapsed,
+    }
+
+
+def run_hf_generate_batch(model: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """HF's continuous-batching generate_batch() (one max_new_tokens for all: the longest; only the requested
+    output tokens count)."""
+    from transformers import GenerationConfig
+
+    max_new = max(o for _, o in work)
+    cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate_batch(inputs=[p for p, _ in work], generation_config=cfg)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    useful = sum(o for _, o in work)
+    return {
+        "requests": len(work),
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": useful / elapsed,
+        "max_new_tokens": max_new,
+    }
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """The figures that matter, last in the output."""
+    ours, roof = res["ours"], res["roofline"]
+    lines = [
+        "",
+        f"W1 on {res['device']} ({res['requests']} requests, {ours['output_tokens']} output tokens, "
+        f"{ours['prompt_tokens']} prompt tokens)",
+        "| system | output tok/s | total tok/s | elapsed s |",
+        "|---|---|---|---|",
+        f"| tinypaged | {ours['output_tokens_per_s']:.0f} | {ours['total_tokens_per_s']:.0f} | "
+        f"{ours['elapsed_s']:.2f} |",
+    ]
+    for key, name in (
+        ("hf_static", "HF generate() static batch"),
+        ("hf_generate_batch", "HF generate_batch()"),
+    ):
+        hf = res.get(key)
+        if isinstance(hf, dict) and "output_tokens_per_s" in hf:
+            lines.append(
+                f"| {name} ({hf['requests']} req) | {hf['output_tokens_per_s']:.0f} | "
+                f"{hf.get('total_tokens_per_s', float('nan')):.0f} | {hf['elapsed_s']:.2f} |"
+            )
+            lines.append(
+                f"|   speed-up of tinypaged | "
+                f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.1f}x | | |"
+            )
+    lines.append(
+        f"| roofline (decode bytes + prefill FLOPs) | {ours['output_tokens'] / roof['total_s']:.0f} | | "
+        f"{roof['total_s']:.2f} |"
+    )
+    lines.append(
+        f"| roofline, strict (max(bytes, FLOPs) per decode step) | "
+        f"{ours['output_tokens'] / roof['total_strict_s']:.0f} | | {roof['total_strict_s']:.2f} |"
+    )
+    lines.append(
+        f"| floor per op (matmuls then attention, each at its own limit) | "
+        f"{ours['output_tokens'] / roof['total_per_op_s']:.0f} | | {roof['total_per_op_s']:.2f} |"
+    )
+    lines.append(
+        f"fraction of roofline: {roof['total_s'] / ours['elapsed_s']:.1%} "
+        f"(strict: {roof['total_strict_s'] / ours['elapsed_s']:.1%}); roofline parts: decode "
+        f"{roof['decode_bytes_s']:.2f} s (strict {roof['decode_strict_s']:.2f}), "
+        f"prefill {roof['prefill_s']:.2f} s"
+    )
+    st = ours["steps"]
+    lines.append(
+        f"KV slot utilisation at peak: {st['kv_peak']['slot_utilisation']:.2%} "
+        f"({st['kv_peak']['tokens']} tokens in {st['kv_peak']['blocks_used']} blocks)"
+    )
+    for ph in ("mixed", "decode"):
+        s = st[ph]
+        lines.append(
+            f"{ph} steps: {s['steps']}, wall {s['wall_s']:.2f} s, runner GPU {s['runner_gpu_s']:.2f} s "
+            f"({s['gpu_busy_fraction']:.0%} busy), host {s['host_ms_per_step']:.2f} ms/step, "
+            f"mean batch {s['mean_batch_seqs']:.0f} seqs / {s['mean_batch_tokens']:.0f} tokens"
+        )
+    if "latency" in res:
+        lat = res["latency"]
+        lines.append(
+            f"batch-1 decode (roofline {lat['roofline_decode_tokens_per_s']:.0f} tok/s): "
+            + ", ".join(
+                f"{m} {lat[m]['decode_tokens_per_s']:.1f} tok/s "
+                f"({lat[m]['fraction_of_roofline']:.0%}; per step "
+                f"GPU {lat[m]['runner_gpu_ms_per_step']:.2f} ms, host {lat[m]['host_ms_per_step']:.2f} ms)"
+                for m in ("graphs", "eager")
+                if m in lat
+            )
+            + f"; TTFT {lat['ttft']['prompt_len']} tokens: {lat['ttft']['median_ms']:.1f} ms "
+            f"(compute floor {lat['ttft']['compute_floor_ms']:.1f} ms)"
+        )
+    if "check" in res:
+        c = res["check"]
+        lines.append(
+            f"numerics: greedy Triton == torch-ref: {c['greedy_equal']}, graphs == eager: "
+            f"{c['greedy_graphs_equal_eager']} (common prefixes Triton/ref "
+            f"{c['greedy_common_prefix']} of {c['max_tokens']}); prompt logits max-abs "
+            f"{c['logits_max_abs_triton_vs_torch_ref']:.4f} (|logit| max {c['logits_max_abs_ref']:.2f})"
+        )
+    f = res.get("check_fp32")
+    if isinstance(f, dict) and "graphs_equal_ref" in f:
+        lines.append(
+            f"numerics fp32: greedy Triton+graphs == torch-ref: {f['graphs_equal_ref']}, eager == ref: "
+            f"{f['eager_equal_ref']} ({len(f['prompt_lens'])} prompts x {f['max_tokens']} tokens)"
+        )
+    h = res.get("check_hf")
+    if isinstance(h, dict) and "hf_bf16" in h:
+        lines.append(
+            f"prompt logits vs HF float32 (|logit| max {h['oracle_logits_max_abs']:.2f}): "
+            + ", ".join(
+                f"{k} max-abs {h[k]['max_abs']:.4f} rel {h[k]['rel_l2']:.2e}"
+                for k in ("ours_triton_bf16", "ours_torch_ref_bf16", "hf_bf16", "ours_vs_hf_bf16")
+            )
+            + f"; greedy common prefixes HF bf16 vs ours {h['greedy_common_prefix_hf_bf16_vs_ours']}"
+        )
+    for name, w in res.get("profile", {}).items():
+        if isinstance(w, dict) and "by_class_s" in w:
+            cls = ", ".join(f"{k} {1e3 * v / w['steps']:.2f}" for k, v in w["by_class_s"].items())
+            lines.append(
+                f"profile {name}: {1e3 * w['wall_s'] / w['steps']:.2f} ms/step wall, "
+                f"{1e3 * w['gpu_kernel_s'] / w['steps']:.2f} ms/step kernels "
+                f"({w['gpu_idle_fraction']:.0%} idle); "
+                f"ms/step by class: {cls}"
+            )
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="model directory (e.g. from `tinypaged weights random`)")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
+    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--hf-requests", type=int, default=64, help="run HF static generate() on the first N (0: skip)"
+    )
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument(
+        "--hf-generate-batch-requests", type=int, default=0, help="HF generate_batch() on the first N"
+    )
+    ap.add_argument("--latency", action="store_true", help="also run benchmarks/latency.py's measurements")
+    ap.add_argument("--check", action="store_true", help="also run the GPU numerics checks")
+    ap.add_argument("--profile", action="store_true", help="profile a mixed and a decode window of W1")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    def engine(enforce_eager: bool) -> LLM:
+        return LLM(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+        )
+
+    t0 = time.perf_counter()
+    try:
+        llm = engine(args.enforce_eager)
+    except Exception:  # e.g. a graph capture that fails: still measure the eager engine, and say so
+        if args.enforce_eager:
+            raise
+        traceback.print_exc()
+        args.enforce_eager = True
+        torch.cuda.empty_cache()
+        llm = engine(True)
+    cfg = llm.config.model
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%d"),
+        "requests": args.num_requests,
+        "seed": args.seed,
+        "prompt_range": args.prompt_range,
+        "output_range": args.output_range,
+        "engine": {
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enforce_eager": args.enforce_eager,
+            "num_gpu_blocks": llm.engine.runner.num_gpu_blocks,
+            "init_s": time.perf_counter() - t0,
+            "runner": asdict(llm.engine.runner.stats),
+        },
+    }
+    work = make_workload(args.num_requests, cfg.vocab_size, args.seed, args.prompt_range, args.output_range)
+    res["roofline"] = roofline(cfg, work)
+
+    def section(name: str, fn: Any) -> Any:
+        """Run one part; a failure is recorded and printed, and the other parts still run."""
+        try:
+            res[name] = fn()
+        except Exception as e:
+            traceback.print_exc()
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        return res[name]
+
+    state: dict[str, Any] = {}
+    if args.check:
+        section("check", lambda: _split(run_checks(llm), state))
+    section("ours", lambda: run_ours(llm, work))
+    print(json.dumps({k: res[k] for k in ("engine", "roofline", "ours")}, indent=1, default=str), flush=True)
+    if args.latency:
+        section("latency", lambda: run_latency(llm))
+    if args.profile:
+        section("profile", lambda: profile_ours(llm, work))
+    if args.hf_requests or args.hf_generate_batch_requests or state:
+        free_llm(llm)
+        if state:
+            section("check_fp32", lambda: fp32_greedy_check(args.model))
+        if state:
+            section("check_hf", lambda: hf_checks(args.model, state))
+        t1 = time.perf_counter()
+        model = load_hf(args.model)
+        res["hf_load_s"] = time.perf_counter() - t1
+        if args.hf_requests:
+            section("hf_static", lambda: run_hf_static(model, work[: args.hf_requests], args.hf_batch))
+        if args.hf_generate_batch_requests:
+            section(
+                "hf_generate_batch",
+                lambda: run_hf_generate_batch(model, work[: args.hf_generate_batch_requests]),
+            )
+    try:
+        print_table(res)
+    except Exception:
+        traceback.print_exc()
+
+
+def _split(pair: tuple[dict[str, Any], dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    report, st = pair
+    state.update(st)
+    return report
+
+
+if __name__ == "__main__":
+    main()

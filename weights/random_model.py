@@ -1,0 +1,239 @@
+"""Random-weight model directories with real shapes, in the normal format, so that benchmarks run the real
+loader.
+
+`make_random_model("llama-3.1-8b", out)` writes config.json, generation_config.json, safetensors weights
+(bf16, sharded with a `model.safetensors.index.json` when larger than one shard) and a tokenizer. Weights are
+drawn tensor by tensor (on a GPU when there is one) and written shard by shard, so host memory holds at most
+one shard. Linear and embedding weights are normal with std 0.02, norm weights 1: logits stay finite and
+O(1) through every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .fetch import DEFAULT_MODEL_DIR
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Shapes of the public configs (config.json of each model), for benchmarks with random weights.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+SHARD_BYTES = 5 * 1024**3  # as HF writes them: at most ~5 GB per file
+WEIGHT_STD = 0.02
+
+
+def make_random_model(
+    preset: str, out_dir: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write the model directory of `preset` (a key of PRESETS; `overrides` change config fields)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown config {preset!r}; choose from {', '.join(PRESETS)}")
+    cfg = {**PRESETS[preset], **(overrides or {})}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+        **cfg,
+    }
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]},
+    )
+    _write_weights(cfg, out, seed)
+    _write_tokenizer(cfg, out)
+    return out
+
+
+def _tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Checkpoint names and shapes, in HF's order (embeddings, layers, final norm, head)."""
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
+    shapes.append(("model.norm.weight", (h,)))
+    if not cfg["tie_word_embeddings"]:
+        shapes.append(("lm_head.weight", (cfg["vocab_size"], h)))
+    return shapes
+
+
+def _write_weights(cfg: dict[str, Any], out: Path, seed: int) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # Plan the shards first (greedy, in checkpoint order), so that file names carry the shard count.
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in _tensor_shapes(cfg):
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = (
+            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {}
+        for name, shape in shard:
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = torch.empty(shape, dtype=torch.float32, device=device).normal_(
+                    0.0, WEIGHT_STD, generator=gen
+                )
+                tensors[name] = t.to(torch.bfloat16).cpu()
+            weight_map[name] = fname
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, 0o644)  # safetensors creates files 0600
+        del tensors
+    if len(shards) > 1:
+        total = sum(2 * math.prod(shape) for shard in shards for _, shape in shard)
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+
+
+def _write_tokenizer(cfg: dict[str, Any], out: Path) -> None:
+    """The default model's tokenizer when its vocabulary has the config's size, else a synthetic one."""
+    src = DEFAULT_MODEL_DIR
+    if (src / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        if Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size(True) == cfg["vocab_size"]:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(src / name, out / name)
+            return
+    _synthetic_tokenizer(cfg, out)
+
+
+def _synthetic_tokenizer(cfg: dict[str, Any], out: Path) -> None:
+    """A byte-level BPE over the config's whole vocabulary, so that every id decodes.
+
+    Ids below 256 are the bytes; the others are distinct ASCII words (so random ids decode to whole
+    characters and the incremental detokenizer never waits on a partial one); bos/eos are special tokens.
+    There are no merges: text encodes to byte tokens, which is all a random-weight model needs.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab_size = cfg["vocab_size"]
+    vocab = {c: i for i, c in enumerate(_byte_chars())}
+    specials = {cfg["bos_token_id"]: "<|begin_of_text|>", cfg["eos_token_id"]: "<|end_of_text|>"}
+    for i in range(len(vocab), vocab_size):
+        vocab[specials.get(i, f"w{i:x}")] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": specials[cfg["bos_token_id"]],
+            "eos_token": specials[cfg["eos_token_id"]],
+        },
+    )
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table, which tokenizers' ByteLevel uses, indexed by byte."""
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    os.chmod(path, 0o644)
