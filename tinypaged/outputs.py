@@ -42,3 +42,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # why the request ended without running, e.g. it can never fit in the cache
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per prompt token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

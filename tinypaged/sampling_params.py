@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's continuation(s); invalid values raise ValueError with a clear message."""
+    """How to sample one request's continuation(s); invalid values raise ValueError with a clear message.
+
+    Parallel sampling: `best_of` sequences are sampled (default `n`) and the `n` with the highest cumulative
+    logprob are returned. Beam search (`use_beam_search=True`, vLLM v0's semantics, as HF's `num_beams`):
+    the beam width is `best_of` (default `n`, at least 2), temperature must be 0, and the `n` best finished
+    hypotheses are returned, ranked by cumulative logprob / (generated length ** length_penalty).
+    `early_stopping`: True stops once `best_of` hypotheses are finished; False stops when no running beam can
+    beat the worst kept hypothesis at its current length; "never" only when none could at max length.
+    """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no limit
@@ -24,8 +37,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top-k alternatives per generated token (the sampled one always included)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,32 +51,96 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first bad value (call again after changing fields)."""
+        best_of = self.best_of if self.best_of is not None else self.n
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (_is_int(best_of) and best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
+            (
+                best_of >= self.n,
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={best_of}",
+            ),
             (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            (
+                _is_int(self.top_k) and self.top_k >= 0,
+                f"top_k must be -1 (disable) or at least 1, got {self.top_k}",
+            ),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
             (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
         ]
+        if self.use_beam_search:
+            checks += [
+                (best_of > 1, f"beam search needs a beam width (best_of, default n) above 1, got {best_of}"),
+                (self.greedy, f"temperature must be 0 when using beam search, got {self.temperature}"),
+                (
+                    self.top_p == 1.0 and self.top_k == 0 and self.min_p == 0.0,
+                    "top_p, top_k and min_p must be left at their defaults when using beam search",
+                ),
+                (
+                    self.early_stopping in (True, False, "never"),
+                    f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+                ),
+            ]
+        else:
+            checks += [
+                (
+                    self.early_stopping is False,
+                    "early_stopping only applies to beam search (use_beam_search=True)",
+                ),
+                (
+                    abs(self.length_penalty - 1.0) < _SAMPLING_EPS,
+                    "length_penalty only applies to beam search (use_beam_search=True)",
+                ),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.n > 1:
-            raise ValueError("n > 1 (parallel sampling) is not supported yet")
 
     @property
     def greedy(self) -> bool:
         """Temperature 0 means argmax."""
-        return self.temperature < 1e-5
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for the request: best_of (default n); the beam width under beam search."""
+        return self.best_of if self.best_of is not None else self.n
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -78,18 +78,24 @@ def test_seeded_sampling_repeats_and_differs(llm: LLM) -> None:
     assert a != c
     # The seed fixes a request's draw whatever else is in the batch.
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=16, ignore_eos=True)
-    batch = llm.generate(["My favourite animal is", "Another prompt entirely"], [p, SamplingParams(temperature=1.0)])
+    batch = llm.generate(
+        ["My favourite animal is", "Another prompt entirely"], [p, SamplingParams(temperature=1.0)]
+    )
     assert batch[0].outputs[0].token_ids == a
 
 
 def test_stop_strings_and_token_ids(llm: LLM) -> None:
     free = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
     assert " 6" in free.text
-    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"]))[0].outputs[0]
+    cut = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop=[" 6"]))[0].outputs[
+        0
+    ]
     assert cut.finish_reason == "stop" and cut.stop_reason == " 6"
     assert cut.text == free.text[: free.text.index(" 6")]
     first = free.token_ids[2]
-    by_id = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first]))
+    by_id = llm.generate(
+        "1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[first])
+    )
     assert by_id[0].outputs[0].token_ids == free.token_ids[:3]
     assert by_id[0].outputs[0].stop_reason == first
 
@@ -101,7 +107,9 @@ def test_logprobs(llm: LLM) -> None:
         assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
         assert len(entry) == 3
         assert all(lp.logprob <= 0 for lp in entry.values())
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,42 +12,60 @@ from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from tinypaged.engine.beam_search import BeamSearch, beam_outputs, step_beams
 from tinypaged.engine.model_runner import ModelRunner
-from tinypaged.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
+from tinypaged.engine.output_processor import (
+    SeqState,
+    check_stop,
+    completion,
+    logprob_entry,
+    prompt_logprob_entries,
+)
+from tinypaged.engine.sampler import Sampler, SamplingRow, seq_seed
+from tinypaged.outputs import Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | dict[str, list[int]]
 
-_FINISH_REASON = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_IGNORED: "length",
-}
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (not because of its input); the message says why."""
 
 
-@dataclass
-class _SeqState:
-    """Per-sequence output state the core does not keep: text, logprobs, why it stopped."""
+class StepError(EngineError):
+    """A step raised: the requests it concerned were aborted (their blocks freed); the rest go on."""
 
-    detok: IncrementalDetokenizer
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
+    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids  # the failed requests
+        self.outputs = outputs  # outputs of other requests produced before the failure (e.g. ignored ones)
 
 
-@dataclass
-class _Request:
-    """One request: its group, parameters and the state of its sequences."""
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for /metrics and tests."""
+
+    num_running: int  # requests
+    num_waiting: int
+    num_swapped: int
+    gpu_cache_usage: float  # 0..1 of the KV blocks in use
+    cpu_cache_usage: float  # 0..1 of the swap blocks in use
+    num_preemptions: int  # total so far
+    prompt_tokens_total: int  # prompt tokens of requests whose prefill completed
+    generation_tokens_total: int  # tokens sampled (beam search: one per live beam per step)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request: its group, parameters, the state of its sequences and (beam search) of its beams."""
 
     group: SequenceGroup
     prompt: str | None
     params: SamplingParams
-    generator: torch.Generator | None
-    states: dict[int, _SeqState] = field(default_factory=dict)
+    states: dict[int, SeqState] = field(default_factory=dict)
+    beam: BeamSearch | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
 
 
@@ -75,11 +93,13 @@ class LLMEngine:
             self.kv,
         )
         self.sampler = Sampler()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self.eos_ids = frozenset(config.model.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self._seq_ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -96,7 +116,9 @@ class LLMEngine:
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
-            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > self.config.max_model_len:
@@ -105,27 +127,52 @@ class LLMEngine:
             )
         return text, ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """SamplingParams checks that depend on the engine; ValueError if they fail."""
+        params.verify()
+        if params.prompt_logprobs is not None and self.config.cache.enable_prefix_caching:
+            raise ValueError(
+                "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)"
+            )
+        if params.use_beam_search and params.stop:
+            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
+        if params.num_seqs > self.config.max_num_seqs:
+            raise ValueError(
+                f"best_of/n ({params.num_seqs}) exceeds max_num_seqs ({self.config.max_num_seqs})"
+            )
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError for a bad prompt or a duplicate id."""
+        """Queue a request; raises ValueError for a bad prompt or params, or a duplicate id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_params(params)
         text, ids = self.tokenize_prompt(prompt)
         seq = Sequence(next(self._seq_ids), ids)
-        group = SequenceGroup(request_id, [seq], time.monotonic())
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        req = _Request(group, text, params, generator)
-        req.states[seq.seq_id] = self._new_state(ids, params)
+        req = Request(SequenceGroup(request_id, [seq], time.monotonic()), text, params)
+        if params.use_beam_search:
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+            limit = self.config.max_model_len - len(ids)
+            req.beam = BeamSearch(
+                params, stop_ids, min(params.max_tokens or limit, limit), beams=[seq.seq_id]
+            )
+        seed_key = seq_seed(params.seed, 0) if params.seed is not None else None
+        req.states[seq.seq_id] = self._new_state(req, ids, 0, seed_key)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         self.requests[request_id] = req
-        self.scheduler.add_seq_group(group)
+        self.scheduler.add_seq_group(req.group)
 
-    def _new_state(self, prompt_ids: list[int], params: SamplingParams) -> _SeqState:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        return _SeqState(detok, logprobs=[] if params.logprobs is not None else None)
+    def _new_state(self, req: Request, prompt_ids: list[int], index: int, seed_key: int | None) -> SeqState:
+        params = req.params
+        detok = (
+            None
+            if req.beam
+            else IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        )
+        return SeqState(index, detok, seed_key, logprobs=[] if params.logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is; all its blocks go back to the pool."""
+        """Stop a request wherever it is; all its blocks go back to the pool at once."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -136,17 +183,73 @@ class LLMEngine:
         """Whether any request is still waiting, running or swapped."""
         return bool(self.requests)
 
+    def stats(self) -> EngineStats:
+        """Queue lengths, cache usage and token counters right now."""
+        kv, sched = self.kv, self.scheduler
+        cpu_usage = 1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped,
+            gpu_cache_usage=kv.gpu_usage,
+            cpu_cache_usage=cpu_usage,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
     # ---- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, move blocks, run the model, sample, append tokens, check stops."""
+        """One iteration: schedule, move blocks, run the model, sample, append tokens, check stops.
+
+        If anything after schedule() raises, the requests of this step are aborted and StepError says which.
+        """
         out = self.scheduler.schedule()
-        outputs = [self._finish_ignored(rid, reason) for rid, reason in out.ignored]
-        logits = self.runner.execute(out)
-        self.scheduler.update_from_output(out)
-        if logits is not None:
-            outputs += self._process(out, logits)
-        return [o for o in outputs if o is not None]
+        outputs = [o for o in (self._finish_ignored(rid, reason) for rid, reason in out.ignored) if o]
+        try:
+            logits = self._execute(out)
+            self.scheduler.update_from_output(out)
+            if logits is not None:
+                outputs += self._process(out, logits)
+        except Exception as e:
+            failed = self._fail_step(out)
+            raise StepError(f"engine step failed: {type(e).__name__}: {e}", failed, outputs) from e
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """The runner's step; with prompt_logprobs wanted, the same forward pass keeping prompt logits."""
+        want = [i for i, s in enumerate(out.scheduled) if self._wants_prompt_logprobs(s.request_id, s.seq_id)]
+        if not want:
+            return self.runner.execute(out)
+        # ModelRunner.execute only returns the sampled rows' logits: run its parts to keep all positions.
+        runner = self.runner
+        with torch.inference_mode():
+            runner.move_blocks(out)
+            inp = runner.prepare(out)
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
+            starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
+            for i in want:
+                s = out.scheduled[i]
+                req = self.requests[s.request_id]
+                chunk = runner.model.compute_logits(hidden[starts[i] : starts[i + 1]])
+                seq = req.group.seqs[0]
+                assert req.prompt_logprobs is not None
+                req.prompt_logprobs += prompt_logprob_entries(
+                    self.tokenizer,
+                    chunk,
+                    seq.prompt_token_ids,
+                    s.num_computed_tokens,
+                    len(req.prompt_logprobs),
+                    req.params.prompt_logprobs or 0,
+                )
+            return runner.model.compute_logits(hidden[inp.sample_rows])
+
+    def _wants_prompt_logprobs(self, request_id: str, seq_id: int) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.prompt_logprobs is None or req.group.seqs[0].seq_id != seq_id:
+            return False
+        return len(req.prompt_logprobs) < req.group.seqs[0].prompt_len
 
     def _finish_ignored(self, request_id: str, reason: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -155,24 +258,77 @@ class LLMEngine:
         req.error = reason
         return self._output(req)
 
+    def _fail_step(self, out: SchedulerOutput) -> list[str]:
+        """Abort the requests a failed step touched: scheduled, or swapped out (their copies may be torn)."""
+        ids = dict.fromkeys(s.request_id for s in out.scheduled)
+        if out.blocks_to_swap_out:
+            ids.update(dict.fromkeys(out.preempted))
+        for rid in ids:
+            self.requests.pop(rid, None)
+            self.scheduler.abort_seq_group(rid)
+        return list(ids)
+
     def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [s for s in out.scheduled if s.do_sample]
-        rows = []
-        for s in sampled:
-            req = self.requests[s.request_id]
-            seq = _find(req.group, s.seq_id)
-            banned: tuple[int, ...] = ()
-            if len(seq.output_token_ids) < req.params.min_tokens:
-                banned = tuple(self.eos_ids | set(req.params.stop_token_ids))
-            rows.append(SamplingRow(req.params, seq.token_ids[: seq.prompt_len], seq.output_token_ids,
-                                    req.generator, banned))
-        result = self.sampler(logits, rows)
-        touched: dict[str, _Request] = {}
-        for i, s in enumerate(sampled):
-            req = self.requests[s.request_id]
-            seq = _find(req.group, s.seq_id)
-            self._append(req, seq, i, result)
+        """Sample every row in one pass, fork parallel-sampling groups after their prompt, step beams."""
+        rows: list[SamplingRow] = []
+        src: list[int] = []  # the logits row of each sampling row
+        targets: list[tuple[Request, Sequence, int | None]] = []  # (request, seq, fork index or None)
+        beam_rows: list[SamplingRow] = []
+        beam_src: list[int] = []
+        beam_targets: list[tuple[Request, Sequence]] = []
+        touched: dict[str, Request] = {}
+        for i, s in enumerate(s for s in out.scheduled if s.do_sample):
+            req = self.requests.get(s.request_id)
+            seq = self.scheduler.get_seq(s.seq_id)
+            if req is None or seq is None or seq.status != SequenceStatus.RUNNING:
+                continue
             touched[s.request_id] = req
+            p = req.params
+            prompt_ids = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else []
+            output_ids = seq.token_ids[seq.prompt_len :]
+            banned = tuple(self.eos_ids | set(p.stop_token_ids)) if len(output_ids) < p.min_tokens else ()
+            state = req.states[seq.seq_id]
+            if req.beam is not None:
+                beam_rows.append(SamplingRow(p, prompt_ids, output_ids, None, banned))
+                beam_src.append(i)
+                beam_targets.append((req, seq))
+            elif p.num_seqs > 1 and not output_ids and len(req.group.seqs) == 1:
+                # The prompt is computed: draw one first token per sequence of the request, each from its
+                # own stream; the children fork from the prompt's blocks below.
+                for j in range(p.num_seqs):
+                    key = seq_seed(p.seed, j) if p.seed is not None else None
+                    rows.append(SamplingRow(p, prompt_ids, output_ids, key, banned))
+                    src.append(i)
+                    targets.append((req, seq, j))
+            else:
+                rows.append(SamplingRow(p, prompt_ids, output_ids, state.seed_key, banned))
+                src.append(i)
+                targets.append((req, seq, None))
+        if rows:
+            need_lp = any(r.params.num_seqs > r.params.n for r in rows)
+            idx = torch.tensor(src, device=logits.device)
+            result = self.sampler(logits[idx], rows, need_logprobs=need_lp)
+            # Fork first, so every child copies its parent before the parent's first token is appended.
+            seqs = [self._fork(req, seq, j) if j else seq for req, seq, j in targets]
+            for row, ((req, _, _), seq) in enumerate(zip(targets, seqs, strict=True)):
+                token = result.token_ids[row]
+                state = req.states[seq.seq_id]
+                if result.logprobs is not None:
+                    state.cumulative_logprob += result.logprobs[row]
+                    if state.logprobs is not None:
+                        state.logprobs.append(logprob_entry(self.tokenizer, req.params, row, result))
+                self._append(req, seq, token)
+                status = check_stop(req.params, seq, state, token, self.eos_ids, self.config.max_model_len)
+                if status is not None:
+                    self.scheduler.finish_seq(seq, status)
+        if beam_rows:
+            idx = torch.tensor(beam_src, device=logits.device)
+            lp = self.sampler.beam_logprobs(logits[idx], beam_rows)
+            for row, (req, seq) in enumerate(beam_targets):
+                assert req.beam is not None
+                req.beam.pending[seq.seq_id] = lp[row]
+            for req in dict.fromkeys(r for r, _ in beam_targets):
+                step_beams(req, self.scheduler, self.tokenizer, self._fork, self._append)
         outputs = []
         for rid, req in touched.items():
             outputs.append(self._output(req))
@@ -180,83 +336,43 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
-    def _append(self, req: _Request, seq: Sequence, row: int, result: SamplerOutput) -> None:
-        token = result.token_ids[row]
+    def _fork(self, req: Request, parent: Sequence, index: int) -> Sequence:
+        """A new sequence of the request sharing every block of `parent` (copy-on-write later)."""
+        child = parent.fork(next(self._seq_ids))
+        self.scheduler.fork_seq(parent, child)
+        p = req.params
+        key = seq_seed(p.seed, index) if p.seed is not None else None
+        if req.beam is not None:
+            req.states[child.seq_id] = req.states[parent.seq_id].fork(index, key)
+        else:
+            req.states[child.seq_id] = self._new_state(req, parent.prompt_token_ids, index, key)
+        return child
+
+    def _append(self, req: Request, seq: Sequence, token: int) -> None:
+        if seq.num_tokens == seq.prompt_len and seq is req.group.seqs[0]:
+            self.prompt_tokens_total += seq.prompt_len
         seq.append_token(token)
-        state = req.states[seq.seq_id]
-        if result.logprobs is not None:
-            state.cumulative_logprob += result.logprobs[row]
-            if state.logprobs is not None:
-                state.logprobs.append(self._logprob_entry(req.params, row, result))
-        state.text += state.detok.step([token])
-        status = self._check_stop(req, seq, state, token)
-        if status is not None:
-            if not isinstance(state.stop_reason, str):  # a stop string already cut the text
-                state.text += state.detok.flush()
-            self.scheduler.finish_seq(seq, status)
+        self.generation_tokens_total += 1
 
-    def _logprob_entry(self, params: SamplingParams, row: int, result: SamplerOutput) -> dict[int, Logprob]:
-        assert result.logprobs is not None and result.top_ids is not None and result.top_logprobs is not None
-        k = params.logprobs or 0
-        entry = {
-            t: Logprob(lp, rank + 1, self.tokenizer.decode([t], False))
-            for rank, (t, lp) in enumerate(zip(result.top_ids[row][:k], result.top_logprobs[row][:k], strict=True))
-        }
-        token = result.token_ids[row]
-        assert result.ranks is not None
-        entry.setdefault(token, Logprob(result.logprobs[row], result.ranks[row], self.tokenizer.decode([token], False)))
-        return entry
-
-    def _check_stop(self, req: _Request, seq: Sequence, state: _SeqState, token: int) -> SequenceStatus | None:
-        """The finished status this token gives the sequence, or None to go on."""
-        params = req.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                state.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in self.eos_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            for stop in params.stop:
-                # Only the tail can hold a new match: the last delta plus a stop string's length.
-                at = state.text.find(stop, max(0, len(state.text) - len(stop) - 64))
-                if at >= 0:
-                    state.text = state.text[: at + len(stop)] if params.include_stop_str_in_output else state.text[:at]
-                    state.stop_reason = stop
-                    return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _output(self, req: _Request) -> RequestOutput:
-        group = req.group
-        outputs = []
-        for index, seq in enumerate(group.seqs):
-            state = req.states[seq.seq_id]
-            reason = _FINISH_REASON.get(seq.status)
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=state.text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=state.cumulative_logprob if req.params.logprobs is not None else None,
-                    logprobs=state.logprobs,
-                    finish_reason=reason,
-                    stop_reason=state.stop_reason,
-                )
-            )
+    def _output(self, req: Request) -> RequestOutput:
+        group, p = req.group, req.params
+        first = group.seqs[0]
+        if req.beam is not None:
+            outputs = beam_outputs(self.tokenizer, req)
+        else:
+            seqs = group.seqs
+            if p.num_seqs > p.n:
+                # best_of: the n sequences with the highest cumulative logprob, once all are done.
+                if group.is_finished():
+                    seqs = sorted(seqs, key=lambda s: req.states[s.seq_id].cumulative_logprob, reverse=True)
+                seqs = seqs[: p.n]
+            outputs = [completion(p, s, req.states[s.seq_id], i) for i, s in enumerate(seqs)]
         return RequestOutput(
             request_id=group.request_id,
             prompt=req.prompt,
-            prompt_token_ids=list(group.seqs[0].token_ids[: group.seqs[0].prompt_len]),
+            prompt_token_ids=first.token_ids[: first.prompt_len],
             outputs=outputs,
             finished=group.is_finished(),
             error=req.error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
-
-
-def _find(group: SequenceGroup, seq_id: int) -> Sequence:
-    """The sequence of a group with this id."""
-    return next(s for s in group.seqs if s.seq_id == seq_id)

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs in one pass on the device."""
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, seeds, logprobs: one pass on the device."""
 
 from __future__ import annotations
 
@@ -8,6 +8,22 @@ import torch
 
 from tinypaged.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser on a Python int: a well-spread 64-bit hash."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seq_seed(seed: int, index: int) -> int:
+    """The stream key of sequence `index` of a request with this seed (n > 1: one stream per sequence)."""
+    return mix64(mix64(seed) + index * _GAMMA)
+
 
 @dataclass
 class SamplingRow:
@@ -16,7 +32,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None  # the request's own stream when it has a seed
+    seed_key: int | None = None  # the sequence's own random stream (seq_seed) when the request has a seed
     banned_ids: tuple[int, ...] = ()  # e.g. EOS while fewer than min_tokens have been generated
 
 
@@ -25,7 +41,7 @@ class SamplerOutput:
     """Sampled token per row, with its logprob and the top-k alternatives when asked for."""
 
     token_ids: list[int]
-    logprobs: list[float] | None  # the sampled token's logprob per row
+    logprobs: list[float] | None  # the sampled token's logprob per row (the model's raw distribution)
     top_ids: list[list[int]] | None  # [N][k] per row (k = the batch's largest logprobs request)
     top_logprobs: list[list[float]] | None
     ranks: list[int] | None  # rank of the sampled token in the distribution (1 = most likely)
@@ -34,38 +50,35 @@ class SamplerOutput:
 class Sampler:
     """Turns the logits of the rows being sampled into next tokens."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], need_logprobs: bool = False
+    ) -> SamplerOutput:
+        """Sample one token per row; logprobs when any row asks for them (or need_logprobs)."""
         raw = logits
-        logits = logits.clone()
+        logits = self.process(logits, rows)
         device = logits.device
-        n, vocab = logits.shape
         params = [r.params for r in rows]
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._apply_penalties(logits, rows)
-        for i, r in enumerate(rows):
-            if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
-
         greedy = torch.tensor([p.greedy for p in params], device=device)
         next_ids = logits.argmax(dim=-1)
         if not bool(greedy.all()):
             temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
             probs = torch.softmax(logits / temps[:, None], dim=-1)
             probs = self._filter(probs, params)
-            # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p; a seeded row draws its own noise.
-            q = torch.empty_like(probs).exponential_()
-            for i, r in enumerate(rows):
-                if r.generator is not None and not r.params.greedy:
-                    q[i] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
-            sampled = (probs / q).argmax(dim=-1)
+            # Inverse-CDF draw: one uniform per row (no [N, vocab] noise); a zero-probability token has a flat
+            # CDF step, so searching for the first CDF value above u * total never lands on it.
+            cdf = probs.cumsum(dim=-1)
+            u = _uniforms(rows, device)[:, None] * cdf[:, -1:]
+            sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
             next_ids = torch.where(greedy, next_ids, sampled)
 
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if k is None:
+        if k is None and not need_logprobs:
             return SamplerOutput(next_ids.tolist(), None, None, None, None)
+        k = k or 0
         logp = torch.log_softmax(raw.float(), dim=-1)
         chosen = logp.gather(1, next_ids[:, None])
         ranks = (logp > chosen).sum(dim=-1) + 1
+        n = len(rows)
         top = logp.topk(k, dim=-1) if k > 0 else None
         return SamplerOutput(
             next_ids.tolist(),
@@ -74,6 +87,22 @@ class Sampler:
             top.values.tolist() if top is not None else [[] for _ in range(n)],
             ranks.tolist(),
         )
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits with penalties and banned tokens applied (a new float32 tensor)."""
+        logits = logits.float().clone()
+        pen = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if pen:
+            idx = torch.tensor(pen, device=logits.device)
+            logits[idx] = self._apply_penalties(logits[idx], [rows[i] for i in pen])
+        for i, r in enumerate(rows):
+            if r.banned_ids:
+                logits[i, list(r.banned_ids)] = float("-inf")
+        return logits
+
+    def beam_logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Log-softmax of the processed logits `[N, vocab]`, which beam search ranks continuations by."""
+        return torch.log_softmax(self.process(logits, rows), dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -101,19 +130,69 @@ class Sampler:
 
     @staticmethod
     def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Zero the probabilities that top-k, top-p and min-p rule out (rows keep at least their best token)."""
+        """Zero what top-k, top-p (over the renormalised top-k) and min-p rule out; keep the best token.
+
+        Each rule becomes a per-row probability threshold, found among the top `cap` candidates (a partial
+        top-k, far cheaper than sorting the vocabulary); only rows whose top-p set is larger sort in full.
+        """
         device = probs.device
-        vocab = probs.shape[-1]
+        n, vocab = probs.shape
         top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         min_p = torch.tensor([p.min_p for p in params], device=device)
-        if bool((top_k >= vocab).all() and (top_p >= 1.0).all() and (min_p <= 0.0).all()):
+        use_k, use_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any())
+        if not (use_k or use_p or bool((min_p > 0.0).any())):
             return probs
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)[None, :]
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the strictly more likely tokens
-        drop = (rank >= top_k[:, None]) | (before > top_p[:, None])
-        drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
-        drop[:, 0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        return torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        top = probs.max(dim=-1, keepdim=True).values
+        thresh = min_p[:, None] * top
+        if use_k or use_p:
+            cap = min(vocab, max(_TOP_P_CAP if use_p else 1, max(p.top_k for p in params)))
+            vals = probs.topk(cap, dim=-1).values  # sorted, descending
+            cut = _cutoff(vals, top_k, top_p, vocab)
+            short = (cut >= cap - 1) & (top_p < 1.0) & (cap < vocab)  # the top-p set may go past the cap
+            if bool(short.any()):
+                rows = short.nonzero()[:, 0]
+                full = probs[rows].sort(dim=-1, descending=True).values
+                cut_full = _cutoff(full, top_k[rows], top_p[rows], vocab)
+                thr = full.gather(1, cut_full[:, None])
+                vals_thr = vals.gather(1, cut.clamp(max=cap - 1)[:, None])
+                vals_thr[rows] = thr
+            else:
+                vals_thr = vals.gather(1, cut[:, None])
+            thresh = torch.maximum(thresh, vals_thr)
+        # Ties at the threshold are all kept (as vLLM does); the best token always survives.
+        return probs.masked_fill(probs < torch.minimum(thresh, top), 0.0)
+
+
+_TOP_P_CAP = 1024  # candidates examined for top-p before falling back to a full sort
+
+
+def _cutoff(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per row of descending probabilities: the index of the last token that top-k and top-p keep."""
+    width = vals.shape[-1]
+    rank = torch.arange(width, device=vals.device)[None, :]
+    kept = vals.masked_fill(rank >= top_k[:, None], 0.0)
+    # Top-p as HF and vLLM: over the top-k distribution renormalised (when top-k cuts, the kept mass is exact
+    # since the caller's width covers k; otherwise the whole distribution sums to 1); drop a token once the
+    # more likely ones already reach top_p.
+    mass = torch.where(top_k[:, None] < vocab, kept.sum(dim=-1, keepdim=True), torch.ones_like(vals[:, :1]))
+    before = (kept.cumsum(dim=-1) - kept) / mass
+    keep = (rank < top_k[:, None]) & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    return (keep.sum(dim=-1) - 1).clamp(min=0)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One U(0, 1) per row: torch's RNG for unseeded rows, a hash of (stream key, output length) for seeded.
+
+    A seeded row's draw depends only on its sequence's stream key and how many tokens it has generated, so a
+    request repeats exactly whatever else is in the batch, on any device.
+    """
+    u = torch.rand(len(rows), dtype=torch.float64)
+    for i, r in enumerate(rows):
+        if r.seed_key is not None:
+            u[i] = ((mix64(r.seed_key + (len(r.output_ids) + 1) * _GAMMA) >> 11) + 0.5) / (1 << 53)
+    return u.to(device=device, dtype=torch.float32)

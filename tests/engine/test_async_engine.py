@@ -1,0 +1,134 @@
+"""AsyncEngine on uvloop: concurrent streams, cancellation part-way, abort, a failing step, idle wake-up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.engine.async_engine import AsyncEngine, EngineError
+from tinypaged.outputs import RequestOutput
+
+
+@pytest.fixture
+def aengine(llm: LLM) -> AsyncEngine:
+    """An AsyncEngine over the session's idle LLMEngine (one model load for the whole suite)."""
+    assert not llm.engine.has_unfinished_requests()
+    return AsyncEngine(llm.config, engine=llm.engine)
+
+
+def _clean(engine: AsyncEngine) -> None:
+    engine.check_integrity()
+    assert engine.num_free_blocks == engine.num_gpu_blocks
+    assert not engine.engine.has_unfinished_requests()
+
+
+async def _consume(engine: AsyncEngine, i: int, params: SamplingParams, cancel_after: int | None):
+    outs: list[RequestOutput] = []
+    stream = engine.generate(f"Story number {i}: once", params, f"req-{i}")
+    async for out in stream:
+        outs.append(out)
+        if cancel_after is not None and len(outs) >= cancel_after:
+            if i % 4 == 1:
+                await stream.aclose()  # the client closes the iterator
+            else:
+                raise asyncio.CancelledError  # the client's task is cancelled mid-stream
+    return outs
+
+
+def test_fifty_streams_half_cancelled(aengine: AsyncEngine, llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([f"Story number {i}: once" for i in range(0, 50, 2)], params)
+
+    async def main() -> list:
+        await aengine.start()
+        tasks = [
+            asyncio.create_task(_consume(aengine, i, params, cancel_after=3 if i % 2 else None))
+            for i in range(50)
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(100):  # the aborts are applied by the loop between steps
+            if aengine.num_free_blocks == aengine.num_gpu_blocks:
+                break
+            await asyncio.sleep(0.01)
+        assert aengine.stats().num_running == 0
+        await aengine.shutdown()
+        return results
+
+    results = uvloop.run(main())
+    for i, res in enumerate(results):
+        if i % 2:
+            continue
+        assert not isinstance(res, BaseException), res
+        assert res[-1].finished and res[-1].outputs[0].token_ids == want[i // 2].outputs[0].token_ids
+        texts = [o.outputs[0].text for o in res]
+        assert all(texts[k + 1].startswith(texts[k]) for k in range(len(texts) - 1))  # cumulative
+    _clean(aengine)
+    stats = aengine.stats()
+    assert stats.generation_tokens_total > 0 and stats.prompt_tokens_total > 0
+
+
+def test_abort_error_and_bad_input(aengine: AsyncEngine, monkeypatch) -> None:
+    engine = aengine.engine
+    real = engine.runner.execute
+
+    def flaky(out):  # noqa: ANN001
+        if any(s.request_id == "doomed" for s in out.scheduled):
+            raise RuntimeError("injected failure")
+        return real(out)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def main() -> None:
+        await aengine.start()
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in aengine.generate("", long, "bad"):
+                pass
+        with pytest.raises(ValueError, match="beam"):
+            async for _ in aengine.generate(
+                "x", SamplingParams(n=2, use_beam_search=True, stop=["a"], temperature=0.0), "bad2"
+            ):
+                pass
+
+        async def doomed() -> None:
+            async for _ in aengine.generate("This one fails", long, "doomed"):
+                pass
+
+        async def aborted() -> RequestOutput:
+            last = None
+            async for out in aengine.generate("This one is aborted", long, "aborted"):
+                last = out
+                if len(out.outputs[0].token_ids) == 2:
+                    await aengine.abort("aborted")
+            assert last is not None
+            return last
+
+        async def fine() -> RequestOutput:
+            last = None
+            async for out in aengine.generate(
+                "This one is fine", SamplingParams(n=2, temperature=1.0, max_tokens=10), "fine"
+            ):
+                last = out
+            assert last is not None
+            return last
+
+        # A failing step fails the requests in it (they share its forward pass); the loop goes on.
+        with pytest.raises(EngineError, match="injected failure"):
+            await doomed()
+        res = await asyncio.gather(aborted(), fine())
+        assert res[0].finished and res[0].outputs[0].finish_reason == "abort"
+        assert res[1].finished and len(res[1].outputs) == 2
+        # Idle now: the loop sleeps, and wakes for a new request.
+        await asyncio.sleep(0.05)
+        outs = [o async for o in aengine.generate("Wake up", SamplingParams(max_tokens=2), "late")]
+        assert outs[-1].finished
+        await aengine.shutdown()
+        with pytest.raises(EngineError):
+            async for _ in aengine.generate("x", long, "after"):
+                pass
+
+    uvloop.run(main())
+    _clean(aengine)

@@ -1,0 +1,219 @@
+"""AsyncEngine: the LLMEngine driven by one asyncio task, each request streamed through its own queue.
+
+The event loop owns all engine mutation between steps: `generate()` and `abort()` only queue an operation
+and wake the loop task, which applies the queued adds/aborts, then runs `LLMEngine.step()` in a single worker
+thread (so the event loop keeps accepting and streaming while the model computes) and hands each
+RequestOutput to its request's queue. A step never races with an add or an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from tinypaged.config import EngineConfig
+from tinypaged.engine.llm_engine import EngineError, EngineStats, LLMEngine, Prompt, StepError
+from tinypaged.outputs import RequestOutput
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.tokenizer import Tokenizer
+
+__all__ = ["AsyncEngine", "EngineError", "EngineStats"]
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class AsyncEngine:
+    """Async front of the engine: `await start()`, `async for out in generate(...)`, `await shutdown()`."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        # An existing LLMEngine may be passed in (tests share one model load); it must be idle.
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        # ("add", request_id, prompt, params) or ("abort", request_id), applied in order between steps.
+        self._ops: list[tuple] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopped = False
+        self._dead: str | None = None  # why the loop died, if it did
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and build the engine (blocking: call before serving starts)."""
+        return cls(config)
+
+    # ---- passthroughs ---------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, cache usage, preemptions and token counters (a snapshot)."""
+        return self.engine.stats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV blocks right now (tests: every block is free once all requests are done)."""
+        return self.engine.kv.num_free_gpu_blocks
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """Total KV blocks."""
+        return self.engine.kv.num_gpu_blocks
+
+    def check_integrity(self) -> None:
+        """The KV cache manager's invariants (AssertionError if broken); call it while no step runs."""
+        self.engine.kv.check_integrity()
+
+    @property
+    def is_running(self) -> bool:
+        """True between start() and shutdown() while the loop task is alive."""
+        return self._task is not None and not self._task.done()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine-loop task on the running event loop (idempotent)."""
+        if self._stopped:
+            raise EngineError("the engine has been shut down")
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinypaged-step")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="tinypaged-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the loop (after the step in flight); unfinished requests fail with EngineError."""
+        self._stopped = True
+        if self._task is not None:
+            assert self._wake is not None
+            self._wake.set()
+            await self._task
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        self._fail(list(self._queues), EngineError("the engine was shut down"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's cumulative RequestOutput after each step it advanced in; the last is finished.
+
+        A bad prompt or bad params raise ValueError before anything is queued. Closing or cancelling the
+        iterator (a client gone) aborts the request and frees its blocks before the next step. A failure
+        inside the engine raises EngineError from the iterator.
+        """
+        if self._dead is not None:
+            raise EngineError(f"the engine loop has stopped: {self._dead}")
+        if self._stopped:
+            raise EngineError("the engine has been shut down")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.engine.check_params(params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.engine.tokenize_prompt(prompt)
+        await self.start()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._submit(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
+        if request_id in self._queues:
+            self._submit(("abort", request_id))
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def _submit(self, op: tuple) -> None:
+        self._ops.append(op)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while not self._stopped:
+                if not self._ops and not engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._apply_ops()
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = await loop.run_in_executor(self._executor, engine.step)
+                except StepError as e:
+                    logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
+                    self._fail(e.request_ids, EngineError(str(e)))
+                    outputs = e.outputs
+                self._dispatch(outputs)
+        except BaseException as e:
+            # Scheduler state is unknown after an error outside a step's model work: fail everything.
+            self._dead = f"{type(e).__name__}: {e}"
+            logger.exception("engine loop died")
+            for rid in list(engine.requests):
+                try:
+                    engine.abort_request(rid)
+                except Exception:  # noqa: BLE001 - keep failing the rest
+                    pass
+            self._fail(list(self._queues), EngineError(f"the engine loop stopped: {self._dead}"))
+            if not isinstance(e, Exception):
+                raise
+
+    def _apply_ops(self) -> None:
+        ops, self._ops = self._ops, []
+        for op in ops:
+            if op[0] == "add":
+                _, rid, prompt, params = op
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    self._fail([rid], e)
+            else:
+                out = self.engine.abort_request(op[1])
+                if out is not None:
+                    self._dispatch([out])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
+                continue  # its client is gone; the abort is queued
+            queue.put_nowait(out)
+            if out.finished:
+                del self._queues[out.request_id]
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(error)

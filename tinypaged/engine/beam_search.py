@@ -1,0 +1,210 @@
+"""Beam search over a request's sequences, with HF transformers' semantics (`generate(num_beams=W)`).
+
+Each step takes the top K = max(2, 1 + #stop ids) * W continuations of all live beams by cumulative logprob.
+The best W that do not stop become the next beams (the engine forks and drops sequences to match, so beams
+share their common blocks); those among the first W that stop (a stop/EOS token, or the length limit)
+become finished hypotheses scored cumulative_logprob / generated_len ** length_penalty, and the W best are
+kept. The search ends when W hypotheses are kept and early_stopping is True, when no live beam can beat the
+worst kept hypothesis (early_stopping False: at the current length; "never": at the length limit if
+length_penalty > 0), or when every continuation stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinypaged.core.sequence import Sequence, SequenceStatus
+from tinypaged.outputs import CompletionOutput, Logprob
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tinypaged.core.scheduler import Scheduler
+    from tinypaged.engine.llm_engine import Request
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam."""
+
+    score: float  # cumulative_logprob / generated_len ** length_penalty
+    token_ids: list[int]  # the generated tokens, the stop token included
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]] | None
+    stopped: bool  # by a stop/EOS token (else by the length limit)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One continuation: a live beam (by sequence id) extended by a token."""
+
+    parent: int
+    token: int
+    logprob: float  # of the token
+    rank: int  # of the token in its beam's distribution
+    cumulative_logprob: float
+    stopped: bool  # the token is a stop/EOS token
+
+
+@dataclass
+class BeamSearch:
+    """The beam-search state of one request: pending logprob rows and the kept hypotheses."""
+
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_new_tokens: int  # HF's max_length - prompt length
+    hyps: list[Hypothesis] = field(default_factory=list)  # best first, at most `width`
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logprob row of its next token
+    beams: list[int] = field(default_factory=list)  # the live beams' sequence ids, best first
+    improvable: bool = True
+    done: bool = False
+
+    @property
+    def width(self) -> int:
+        """The beam width: best_of (default n)."""
+        return self.params.num_seqs
+
+    def select(
+        self, beams: list[tuple[int, float]], num_generated: int
+    ) -> tuple[list[Candidate], list[tuple[float, Candidate]]]:
+        """One step over the live beams `(seq id, cumulative logprob)`, all with `num_generated` tokens.
+
+        Returns the next beams (best first) and the finishing candidates to keep as hypotheses, with their
+        scores. Consumes the pending rows of these beams.
+        """
+        rows = torch.stack([self.pending.pop(seq_id) for seq_id, _ in beams])
+        cum = torch.tensor([c for _, c in beams], dtype=rows.dtype, device=rows.device)
+        vocab = rows.shape[1]
+        scores = (rows + cum[:, None]).flatten()
+        k = min(max(2, 1 + len(self.stop_ids)) * self.width, scores.numel())
+        top, idx = scores.topk(k)
+        row_lp = rows.flatten()[idx]
+        ranks = (rows[idx // vocab] > row_lp[:, None]).sum(dim=-1) + 1
+        at_limit = num_generated + 1 >= self.max_new_tokens
+        cands = []
+        for value, flat, lp, rank in zip(
+            top.tolist(), idx.tolist(), row_lp.tolist(), ranks.tolist(), strict=True
+        ):
+            token = flat % vocab
+            cands.append(Candidate(beams[flat // vocab][0], token, lp, rank, value, token in self.stop_ids))
+        running = [c for c in cands if not (c.stopped or at_limit)][: self.width]
+        # Only the first `width` candidates may become hypotheses; the rest only back up the live beams.
+        finishing = [c for c in cands[: self.width] if c.stopped or at_limit]
+        full = len(self.hyps) >= self.width
+        if not self.improvable or (full and self.params.early_stopping is True):
+            finishing = []
+        scale = (num_generated + 1) ** self.params.length_penalty
+        return running, [(c.cumulative_logprob / scale, c) for c in finishing]
+
+    def keep(self, hyps: list[Hypothesis], running: list[Candidate], num_generated: int) -> None:
+        """Merge new hypotheses, keep the best `width`; decide whether the search is done.
+
+        `num_generated` counts the tokens of the new beams (after this step).
+        """
+        p = self.params
+        self.hyps = sorted(self.hyps + hyps, key=lambda h: h.score, reverse=True)[: self.width]
+        full = len(self.hyps) >= self.width
+        if full and running:
+            length = (
+                self.max_new_tokens if p.early_stopping == "never" and p.length_penalty > 0 else num_generated
+            )
+            best_possible = running[0].cumulative_logprob / (length**p.length_penalty)
+            self.improvable = self.improvable and best_possible > self.hyps[-1].score
+        self.done = not self.improvable or (full and p.early_stopping is True) or not running
+
+
+def step_beams(
+    req: Request,
+    scheduler: Scheduler,
+    tokenizer: Tokenizer,
+    fork: Callable[[Request, Sequence, int], Sequence],
+    append: Callable[[Request, Sequence, int], None],
+) -> None:
+    """Advance a request's beams once every live beam has its logprob row: fork, extend and drop sequences."""
+    beam = req.beam
+    assert beam is not None
+    live = req.group.unfinished_seqs()
+    if any(s.seq_id not in beam.pending for s in live):
+        return  # some beams were not computed in this step (budget): wait for them
+    states = req.states
+    by_id = {s.seq_id: s for s in live}
+    num_generated = live[0].num_tokens - live[0].prompt_len
+    running, finishing = beam.select(
+        [(s.seq_id, states[s.seq_id].cumulative_logprob) for s in live], num_generated
+    )
+    want_lp = req.params.logprobs is not None
+
+    def logprobs_after(parent: int, c: Candidate) -> list[dict[int, Logprob]] | None:
+        before = states[parent].logprobs
+        if not want_lp or before is None:
+            return None
+        return [*before, {c.token: Logprob(c.logprob, c.rank, tokenizer.decode([c.token], False))}]
+
+    hyps = [
+        Hypothesis(
+            score,
+            by_id[c.parent].token_ids[by_id[c.parent].prompt_len :] + [c.token],
+            c.cumulative_logprob,
+            logprobs_after(c.parent, c),
+            c.stopped,
+        )
+        for score, c in finishing
+    ]
+    beam.keep(hyps, running, num_generated + 1)
+    if beam.done:
+        running = []
+    # The first candidate of a parent continues in the parent's sequence; the others fork it (sharing all its
+    # blocks) before any token is appended. Parents no candidate chose are dropped: their blocks are freed.
+    used: set[int] = set()
+    plan: list[tuple[Sequence, Candidate, list[dict[int, Logprob]] | None]] = []
+    for i, c in enumerate(running):
+        lps = logprobs_after(c.parent, c)
+        parent = by_id[c.parent]
+        plan.append((parent if c.parent not in used else fork(req, parent, i), c, lps))
+        used.add(c.parent)
+    for seq, c, lps in plan:
+        append(req, seq, c.token)
+        state = states[seq.seq_id]
+        state.cumulative_logprob = c.cumulative_logprob
+        state.logprobs = lps
+    beam.beams = [seq.seq_id for seq, _, _ in plan]
+    for s in live:
+        if s.seq_id not in used:
+            scheduler.finish_seq(
+                s, SequenceStatus.FINISHED_STOPPED if beam.done else SequenceStatus.FINISHED_ABORTED
+            )
+
+
+def beam_outputs(tokenizer: Tokenizer, req: Request) -> list[CompletionOutput]:
+    """The n best finished hypotheses once the search is done; the n best live beams while it runs."""
+    beam, p = req.beam, req.params
+    assert beam is not None
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, p.skip_special_tokens)
+
+    if beam.done and beam.hyps:
+        return [
+            CompletionOutput(
+                index=i,
+                text=text(h.token_ids),
+                token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob,
+                logprobs=h.logprobs,
+                finish_reason="stop" if h.stopped else "length",
+                stop_reason=h.token_ids[-1] if h.stopped and h.token_ids[-1] in p.stop_token_ids else None,
+            )
+            for i, h in enumerate(beam.hyps[: p.n])
+        ]
+    by_id = {s.seq_id: s for s in req.group.seqs}
+    outputs = []
+    for i, seq_id in enumerate(beam.beams[: p.n]):
+        seq, state = by_id[seq_id], req.states[seq_id]
+        ids = seq.token_ids[seq.prompt_len :]
+        reason = "abort" if seq.status == SequenceStatus.FINISHED_ABORTED else None
+        outputs.append(CompletionOutput(i, text(ids), ids, state.cumulative_logprob, state.logprobs, reason))
+    return outputs
