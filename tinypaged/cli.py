@@ -1,4 +1,4 @@
-"""The `tinypaged` command: generate | weights."""
+"""The `tinypaged` command: serve | generate | weights (fetch | random)."""
 
 from __future__ import annotations
 
@@ -27,21 +27,48 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     keys = (
         "dtype device seed block_size gpu_memory_utilization num_gpu_blocks_override swap_space "
-        "enable_prefix_caching max_num_seqs max_num_batched_tokens max_model_len preemption_mode"
+        "enable_prefix_caching max_num_seqs max_num_batched_tokens max_model_len preemption_mode enforce_eager"
     ).split()
     return {k: getattr(args, k) for k in keys}
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tinypaged.llm import LLM
-    from tinypaged.sampling_params import SamplingParams
+def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - keeps `tinypaged --help` free of imports
+    """The EngineConfig the engine arguments describe (the same fields `LLM(...)` takes)."""
+    from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
 
-    from tinypaged.llm import DEFAULT_MODEL
+    kw = _engine_kwargs(args)
+    cache_keys = "block_size gpu_memory_utilization num_gpu_blocks_override swap_space enable_prefix_caching"
+    cache = CacheConfig(**{k: kw.pop(k) for k in cache_keys.split()})
+    kw["max_model_len"] = kw["max_model_len"] or 0
+    return EngineConfig(model=ModelConfig.from_dir(args.model), cache=cache, **kw)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tinypaged.engine.async_engine import AsyncEngine
+    from tinypaged.server.app import ServerConfig, serve
+
+    engine_config = _engine_config(args)
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return serve(lambda: AsyncEngine(engine_config), server_config)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tinypaged.llm import DEFAULT_MODEL, LLM
+    from tinypaged.sampling_params import SamplingParams
 
     if args.model == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
         raise ConfigError(f"the default model is not at {DEFAULT_MODEL}: run `tinypaged weights fetch` first")
@@ -68,11 +95,31 @@ def _weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _random_weights(args: argparse.Namespace) -> int:
+    from tinypaged.weights.random_model import make_random_model
+
+    print(make_random_model(args.config, args.out, seed=args.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="tinypaged", description="A small, fast LLM serving engine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="0: any free port (the URL is printed)")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the API routes")
+    srv.add_argument("--served-model-name", default=None, help="its name in the API (default: dir name)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="answer 503 + Retry-After while this many requests wait (default: unbounded)")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="print the continuation of one prompt")
     _add_engine_args(gen)
@@ -89,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--out", type=Path, default=None)
     fetch.add_argument("--force", action="store_true", help="convert again even when the directory is complete")
     fetch.set_defaults(func=_weights)
+    from tinypaged.weights.random_model import PRESETS
+
+    rand = wsub.add_parser("random", help="write a model directory of a real shape with random bf16 weights")
+    rand.add_argument("--config", required=True, choices=sorted(PRESETS), help="the shape to copy")
+    rand.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(func=_random_weights)
     return parser
 
 

@@ -1,0 +1,144 @@
+"""One real server for the server tests: the aiohttp app over a real AsyncEngine on the default model,
+listening on a free loopback port, its event loop (uvloop) in a background thread so that the tests can use
+blocking clients (the official `openai` one) and still reach into the engine between requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import uvloop
+
+from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
+from tinypaged.engine.async_engine import AsyncEngine
+from tinypaged.server.app import SERVING, ServerConfig, start_server, stop_server
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512  # small, so that over-long prompts are cheap to send
+
+
+class LiveServer:
+    """A running server and handles on its engine and event loop."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.loop = uvloop.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(config,), name="test-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(120):
+            raise RuntimeError("the test server did not start")
+        self.serving = self.runner.app[SERVING]
+        self.model = self.serving.model_name
+        self.auth = {"Authorization": f"Bearer {config.api_key}"}
+
+    def _run(self, config: ServerConfig) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner, self.url = self.loop.run_until_complete(start_server(self.engine, config))
+        self._ready.set()
+        self.loop.run_forever()
+
+    def call(self, fn: Any, timeout: float = 60) -> Any:
+        """Run `fn()` on the server's loop (no step can start meanwhile) and return its result."""
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        """Wait until no request is queued or running and every KV block is free, then check the pool."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.call(self.engine.stats)
+            free = self.call(lambda: self.engine.num_free_blocks)
+            busy = self.call(lambda: self.engine.engine.has_unfinished_requests())
+            if not busy and stats.num_running == stats.num_waiting == stats.num_swapped == 0:
+                if free == self.engine.num_gpu_blocks:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"server not idle: {stats}, {free}/{self.engine.num_gpu_blocks} blocks free"
+                )
+            time.sleep(0.05)
+        self.call(self.engine.check_integrity)
+
+    def close(self) -> None:
+        """Drain and stop the server, then its loop."""
+        asyncio.run_coroutine_threadsafe(stop_server(self.runner), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="package")
+def server(model_dir: Path) -> Iterator[LiveServer]:
+    """The server every test in tests/server shares (the model loads once)."""
+    config = EngineConfig(
+        model=ModelConfig.from_dir(model_dir), cache=CacheConfig(), max_model_len=MAX_MODEL_LEN
+    )
+    live = LiveServer(
+        AsyncEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
+    )
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    """The official OpenAI client on the server; every test leaves the engine idle with all blocks free."""
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+    server.wait_idle()
+
+
+@pytest.fixture
+def auth() -> dict[str, str]:
+    """The header of a request with the right key."""
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+class Raw:
+    """A raw HTTP exchange through aiohttp's client (for SSE framing and error cases)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __call__(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        auth: bool = True,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of one request; `body` is sent as JSON unless it is bytes."""
+        headers = dict(headers or {})
+        if auth:
+            headers.setdefault("Authorization", f"Bearer {API_KEY}")
+        if body is not None and not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+            headers.setdefault("Content-Type", "application/json")
+
+        async def go() -> tuple[int, dict[str, str], bytes]:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.request(method, self.url + path, data=body, headers=headers) as r,
+            ):
+                return r.status, dict(r.headers), await r.read()
+
+        return asyncio.run(go())
+
+
+@pytest.fixture
+def raw(server: LiveServer) -> Iterator[Raw]:
+    """Raw requests to the server; the test leaves the engine idle with all blocks free."""
+    yield Raw(server.url)
+    server.wait_idle()

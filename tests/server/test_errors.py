@@ -1,0 +1,242 @@
+"""Bad input, table-driven: each case gets its documented status and OpenAI's error JSON, nothing is left
+queued, and the server stays healthy with every block free."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+MAX_MODEL_LEN = 512  # the server fixture's (tests/server/conftest.py)
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_MSG = [{"role": "user", "content": "hi"}]
+ANY = object()  # the case does not pin `param`
+
+
+def comp(**kw: object) -> dict:
+    return {"prompt": "Hello", "max_tokens": 2, **kw}
+
+
+def chat(**kw: object) -> dict:
+    return {"messages": OK_MSG, "max_tokens": 2, **kw}
+
+
+# (case, method, path, body (bytes are sent as they are), status, expected `param`, extra headers, no key)
+CASES = [
+    ("malformed-json", "POST", C, b'{"prompt": "Hello", ', 400, None, {}, False),
+    ("json-not-an-object", "POST", C, b"[1, 2]", 400, ANY, {}, False),
+    ("empty-body", "POST", C, b"", 400, None, {}, False),
+    ("missing-prompt", "POST", C, {"max_tokens": 2}, 400, ANY, {}, False),
+    ("prompt-wrong-type", "POST", C, comp(prompt=5), 400, "prompt", {}, False),
+    ("prompt-list-of-bools", "POST", C, comp(prompt=[True]), 400, "prompt[0]", {}, False),
+    ("prompt-empty-string", "POST", C, comp(prompt=""), 400, "prompt", {}, False),
+    ("prompt-empty-list", "POST", C, comp(prompt=[]), 400, "prompt", {}, False),
+    ("prompt-mixed-list", "POST", C, comp(prompt=["a", 1]), 400, "prompt", {}, False),
+    ("prompt-negative-token-id", "POST", C, comp(prompt=[1, -3]), 400, "prompt[1]", {}, False),
+    ("prompt-token-id-past-vocab", "POST", C, comp(prompt=[1, 10**6]), 400, "prompt", {}, False),
+    (
+        "prompt-over-max-model-len",
+        "POST",
+        C,
+        comp(prompt="hello " * (MAX_MODEL_LEN + 10)),
+        400,
+        "prompt",
+        {},
+        False,
+    ),
+    (
+        "prompt-ids-over-max-model-len",
+        "POST",
+        C,
+        comp(prompt=[1] * (MAX_MODEL_LEN + 1)),
+        400,
+        "prompt",
+        {},
+        False,
+    ),
+    ("max-tokens-string", "POST", C, comp(max_tokens="ten"), 400, "max_tokens", {}, False),
+    ("max-tokens-zero", "POST", C, comp(max_tokens=0), 400, "max_tokens", {}, False),
+    ("max-tokens-negative", "POST", C, comp(max_tokens=-5), 400, "max_tokens", {}, False),
+    ("max-tokens-past-context", "POST", C, comp(max_tokens=10**9), 400, "max_tokens", {}, False),
+    ("max-tokens-float", "POST", C, comp(max_tokens=2.5), 400, "max_tokens", {}, False),
+    ("temperature-negative", "POST", C, comp(temperature=-0.1), 400, "temperature", {}, False),
+    ("temperature-huge", "POST", C, comp(temperature=1e308), 400, "temperature", {}, False),
+    ("temperature-string", "POST", C, comp(temperature="hot"), 400, "temperature", {}, False),
+    ("top-p-zero", "POST", C, comp(top_p=0), 400, "top_p", {}, False),
+    ("top-p-above-one", "POST", C, comp(top_p=1.5), 400, "top_p", {}, False),
+    ("top-k-below-minus-one", "POST", C, comp(top_k=-5), 400, "top_k", {}, False),
+    ("min-p-above-one", "POST", C, comp(min_p=2), 400, "min_p", {}, False),
+    (
+        "presence-penalty-out-of-range",
+        "POST",
+        C,
+        comp(presence_penalty=5),
+        400,
+        "presence_penalty",
+        {},
+        False,
+    ),
+    ("repetition-penalty-zero", "POST", C, comp(repetition_penalty=0), 400, "repetition_penalty", {}, False),
+    ("n-zero", "POST", C, comp(n=0), 400, "n", {}, False),
+    ("n-huge", "POST", C, comp(n=10**6), 400, "n", {}, False),
+    ("n-past-int64", "POST", C, comp(n=10**30), 400, "n", {}, False),
+    ("logprobs-string", "POST", C, comp(logprobs="3"), 400, "logprobs", {}, False),
+    ("logprobs-too-many", "POST", C, comp(logprobs=100), 400, "logprobs", {}, False),
+    ("seed-negative", "POST", C, comp(seed=-1), 400, "seed", {}, False),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, None, {}, False),
+    ("stop-wrong-type", "POST", C, comp(stop=5), 400, "stop", {}, False),
+    ("stop-list-of-ints", "POST", C, comp(stop=[1, 2]), 400, "stop[0]", {}, False),
+    ("stop-token-ids-negative", "POST", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids[0]", {}, False),
+    ("min-tokens-over-max-tokens", "POST", C, comp(min_tokens=5, max_tokens=2), 400, None, {}, False),
+    ("logit-bias-unsupported", "POST", C, comp(logit_bias={"1": 5.0}), 400, "logit_bias", {}, False),
+    (
+        "stream-options-wrong-type",
+        "POST",
+        C,
+        comp(stream=True, stream_options={"include_usage": "yes"}),
+        400,
+        "stream_options.include_usage",
+        {},
+        False,
+    ),
+    ("stream-not-bool", "POST", C, comp(stream="yes"), 400, "stream", {}, False),
+    ("invalid-utf8", "POST", C, b'{"prompt": "\xff\xfe bad", "max_tokens": 2}', 400, None, {}, False),
+    ("oversized-body", "POST", C, json.dumps(comp(prompt="x" * (5 * 2**20))).encode(), 413, None, {}, False),
+    ("unknown-model", "POST", C, comp(model="gpt-5"), 404, "model", {}, False),
+    ("missing-key", "POST", C, comp(), 401, None, {}, True),
+    ("wrong-key", "POST", C, comp(), 401, None, {"Authorization": "Bearer nope"}, True),
+    ("key-without-bearer", "POST", C, comp(), 401, None, {"Authorization": "test-key"}, True),
+    ("chat-messages-empty", "POST", CHAT, chat(messages=[]), 400, "messages", {}, False),
+    ("chat-messages-not-a-list", "POST", CHAT, chat(messages="hi"), 400, "messages", {}, False),
+    ("chat-message-not-an-object", "POST", CHAT, chat(messages=["hi"]), 400, "messages[0]", {}, False),
+    ("chat-missing-messages", "POST", CHAT, {"max_tokens": 2}, 400, ANY, {}, False),
+    (
+        "chat-unknown-role",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages[0].role",
+        {},
+        False,
+    ),
+    ("chat-missing-role", "POST", CHAT, chat(messages=[{"content": "hi"}]), 400, ANY, {}, False),
+    (
+        "chat-content-wrong-type",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages[0].content",
+        {},
+        False,
+    ),
+    (
+        "chat-image-part",
+        "POST",
+        CHAT,
+        chat(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+        ),
+        400,
+        ANY,
+        {},
+        False,
+    ),
+    (
+        "chat-top-logprobs-without-logprobs",
+        "POST",
+        CHAT,
+        chat(top_logprobs=2),
+        400,
+        "top_logprobs",
+        {},
+        False,
+    ),
+    (
+        "chat-top-logprobs-too-many",
+        "POST",
+        CHAT,
+        chat(logprobs=True, top_logprobs=50),
+        400,
+        "top_logprobs",
+        {},
+        False,
+    ),
+    (
+        "chat-max-completion-tokens-past-context",
+        "POST",
+        CHAT,
+        chat(max_completion_tokens=MAX_MODEL_LEN),
+        400,
+        "max_tokens",
+        {},
+        False,
+    ),
+    (
+        "chat-prompt-over-max-model-len",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hello " * MAX_MODEL_LEN}]),
+        400,
+        "messages",
+        {},
+        False,
+    ),
+    ("chat-unknown-model", "POST", CHAT, chat(model="nope"), 404, "model", {}, False),
+    ("tokenize-neither-prompt-nor-messages", "POST", "/tokenize", {}, 400, "prompt", {}, False),
+    ("detokenize-wrong-type", "POST", "/detokenize", {"tokens": "abc"}, 400, "tokens", {}, False),
+    ("detokenize-past-vocab", "POST", "/detokenize", {"tokens": [10**7]}, 400, "tokens", {}, False),
+    ("unknown-route", "GET", "/v1/engines", None, 404, None, {}, False),
+    ("wrong-method", "GET", C, None, 405, None, {}, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param", "headers", "no_key"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_bad_input(raw, server, method, path, body, status, param, headers, no_key) -> None:
+    got, resp_headers, data = raw(method, path, body, headers, auth=not no_key)
+    assert got == status, data
+    assert resp_headers["Content-Type"].startswith("application/json")
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    if param is not ANY:
+        assert err["param"] == param, err
+
+
+def test_table_is_large_enough(server) -> None:
+    assert server.serving.max_model_len == MAX_MODEL_LEN
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_over_long_prompt_message_gives_the_lengths(raw) -> None:
+    status, _, data = raw("POST", C, comp(prompt=[1] * (MAX_MODEL_LEN + 7)))
+    message = json.loads(data)["error"]["message"]
+    assert status == 400 and str(MAX_MODEL_LEN) in message and str(MAX_MODEL_LEN + 7) in message
+    status, _, data = raw("POST", C, comp(prompt=[1] * 10, max_tokens=MAX_MODEL_LEN))
+    message = json.loads(data)["error"]["message"]
+    assert status == 400 and f"{MAX_MODEL_LEN + 10} tokens (10 in the prompt, {MAX_MODEL_LEN} for" in message
+
+
+def test_full_queue_gives_503_with_retry_after(raw, server) -> None:
+    server.serving.max_queue_len = 0  # every request finds the queue full
+    try:
+        status, headers, data = raw("POST", C, comp())
+    finally:
+        server.serving.max_queue_len = None
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert json.loads(data)["error"]["code"] == "overloaded"
+    assert raw("POST", C, comp())[0] == 200
+
+
+def test_public_paths_need_no_key_and_server_stays_healthy(raw, server) -> None:
+    for path in ("/health", "/version", "/metrics", "/openapi.json"):
+        assert raw("GET", path, auth=False)[0] == 200, path
+    assert raw("GET", "/v1/models", auth=False)[0] == 401
+    status, _, data = raw("POST", C, comp(max_tokens=2, temperature=0))
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1

@@ -1,0 +1,197 @@
+"""The official `openai` client against the real server: completions and chat, plain and streamed, n > 1,
+logprobs, echo, stop strings, seeds and usage."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _stream_text(stream, n: int = 1) -> tuple[list[str], list[str | None], object]:
+    """Concatenated text and finish reason per choice index, and the usage of the last chunk."""
+    texts, reasons, usage = [""] * n, [None] * n, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] += piece
+            if c.finish_reason is not None:
+                assert reasons[c.index] is None, "a choice finished twice"
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_completion_greedy_plain_and_streamed_agree(client: openai.OpenAI, server) -> None:
+    plain = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert plain.object == "text_completion" and plain.model == server.model
+    (choice,) = plain.choices
+    assert choice.text.strip() and choice.finish_reason in ("length", "stop")
+    assert plain.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPT))
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    stream = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, reasons, usage = _stream_text(stream)
+    assert texts == [choice.text] and reasons == [choice.finish_reason]
+    assert usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completion_prompt_forms(client: openai.OpenAI, server) -> None:
+    ids = server.engine.tokenizer.encode(PROMPT)
+    by_text = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, temperature=0)
+    out = client.completions.create(
+        model=server.model, prompt=[PROMPT, "1, 2, 3,"], max_tokens=4, temperature=0
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == by_text.choices[0].text
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model=server.model, prompt=[ids, ids[:2]], max_tokens=4, temperature=0)
+    assert many.choices[0].text == by_text.choices[0].text and len(many.choices) == 2
+    assert many.usage.prompt_tokens == len(ids) + 2
+
+
+def test_completion_echo_and_logprobs(client: openai.OpenAI, server) -> None:
+    out = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    (c,) = out.choices
+    lp = c.logprobs
+    n = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(top[tok], max(top.values()), abs_tol=1e-5) and math.isclose(top[tok], logprob)
+    echo = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=5, temperature=0, echo=True
+    )
+    assert echo.choices[0].text == PROMPT + c.text
+    both = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
+    lp, n_prompt = both.choices[0].logprobs, both.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + n and "".join(lp.tokens) == PROMPT + c.text
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])  # prompt_logprobs
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(c.logprobs.token_logprobs)
+
+
+def test_completion_stop_string_never_streamed(client: openai.OpenAI, server) -> None:
+    full = (
+        client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), full
+    plain = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert plain.choices[0].finish_reason == "stop" and stop not in plain.choices[0].text
+    assert full.startswith(plain.choices[0].text)
+    texts, reasons, _ = _stream_text(
+        client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], stream=True
+        )
+    )
+    assert texts == [plain.choices[0].text] and reasons == ["stop"]
+
+
+def test_sampling_seed_repeats(client: openai.OpenAI, server) -> None:
+    def run(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    assert run(7) == run(7)
+
+
+def test_chat_plain_and_streamed_agree(client: openai.OpenAI, server) -> None:
+    plain = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_completion_tokens=8, temperature=0
+    )
+    assert plain.object == "chat.completion"
+    (choice,) = plain.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    rendered = server.engine.tokenizer.apply_chat_template(MESSAGES)
+    assert plain.usage.prompt_tokens == len(server.engine.tokenizer.encode(rendered, False))
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, reasons, usage = _stream_text(stream)
+    assert texts == [choice.message.content] and reasons == [choice.finish_reason]
+    assert usage.total_tokens == plain.usage.total_tokens
+
+
+def test_chat_logprobs(client: openai.OpenAI, server) -> None:
+    out = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert math.isclose(t.logprob, t.top_logprobs[0].logprob, abs_tol=1e-5)
+        assert bytes(t.bytes).decode() == t.token
+    streamed = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    tokens = [t.token for chunk in streamed for c in chunk.choices if c.logprobs for t in c.logprobs.content]
+    assert tokens == [t.token for t in content]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_sampling_n(client: openai.OpenAI, server, stream: bool) -> None:
+    n = 3
+    if stream:
+        texts, reasons, _ = _stream_text(
+            client.completions.create(
+                model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=n, stream=True
+            ),
+            n,
+        )
+    else:
+        out = client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=n
+        )
+        assert sorted(c.index for c in out.choices) == list(range(n))
+        texts, reasons = [c.text for c in out.choices], [c.finish_reason for c in out.choices]
+    assert all(reasons) and len(set(texts)) > 1, texts
+    chat = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=4, n=2, seed=1)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_models(client: openai.OpenAI, server) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model]

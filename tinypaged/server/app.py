@@ -1,0 +1,289 @@
+"""The aiohttp application: routes, API key and error middleware, SSE streaming, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from tinypaged import __version__
+from tinypaged.server import protocol as p
+from tinypaged.server.chat import create_chat_completion
+from tinypaged.server.completions import create_completion
+from tinypaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from tinypaged.server.serving import SSE_DONE, APIError, OpenAIServing, sse
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Paths open without the API key: probes and scrapes, as vLLM leaves them.
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+# Paths that queue work on the engine: refused while the server drains.
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+_encoder = msgspec.json.Encoder()
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side: where to listen and the limits on what clients may ask."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model directory's name
+    max_queue_len: int | None = None  # None: unbounded
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+SERVING: web.AppKey[OpenAIServing] = web.AppKey("serving", OpenAIServing)
+ENGINE: web.AppKey[Any] = web.AppKey("engine", object)
+CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
+DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A response whose body is `obj` encoded by msgspec."""
+    return web.Response(
+        body=_encoder.encode(obj), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def error_response(e: APIError) -> web.Response:
+    """OpenAI's error JSON with the error's status and headers."""
+    return json_response(p.ErrorResponse(error=e.info), e.status, e.headers)
+
+
+async def _decode(request: web.Request, cls: type[T]) -> T:
+    """The body as a `cls` Struct; 413 over the size limit, 400 for bad JSON or a bad field (in `param`)."""
+    limit = request.app[CONFIG].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(
+            413,
+            f"The request body has {request.content_length} bytes, more than the limit of {limit}.",
+            code="request_too_large",
+        )
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        m = _AT.search(message)
+        raise APIError(400, message, param=m.group(1) if m else None, code="invalid_value") from e
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from e
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as OpenAI's error JSON; unexpected ones logged and answered 500."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        messages = {
+            404: f"No route {request.method} {request.path}",
+            405: f"Method {request.method} is not allowed on {request.path}",
+            413: f"The request body is larger than the limit: {e.text}",
+        }
+        return error_response(APIError(e.status, messages.get(e.status, e.text or e.reason)))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        logger.exception("error serving %s %s", request.method, request.path)
+        return error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+
+
+@web.middleware
+async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """401 without the right Bearer key (when one is set); 503 for new generations while draining."""
+    key = request.app[CONFIG].api_key
+    if key is not None and request.path not in PUBLIC_PATHS:
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+            )
+    if request.path in GENERATE_PATHS and request.app[DRAINING].is_set():
+        raise APIError(
+            503,
+            "The server is shutting down.",
+            type="server_error",
+            code="shutting_down",
+            headers={"Retry-After": "5"},
+        )
+    return await handler(request)
+
+
+async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
+    """A Struct as JSON, or an SSE stream; its headers go out with the first event (after the first step)."""
+    if not isinstance(result, AsyncIterator):
+        return json_response(result)
+    events: AsyncIterator[bytes] = result
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        await resp.write(first)
+        async for event in events:
+            await resp.write(event)
+    except ConnectionError:
+        logger.info("client gone mid-stream: %s %s", request.method, request.path)
+        return resp
+    except APIError as e:
+        await resp.write(sse(p.ErrorResponse(error=e.info)) + SSE_DONE)
+    except Exception as e:  # headers are out: the error goes in the stream, as vLLM sends it
+        logger.exception("error mid-stream")
+        info = p.ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error")
+        await resp.write(sse(p.ErrorResponse(error=info)) + SSE_DONE)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    req = await _decode(request, p.CompletionRequest)
+    return await _respond(request, await create_completion(request.app[SERVING], req))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    req = await _decode(request, p.ChatCompletionRequest)
+    return await _respond(request, await create_chat_completion(request.app[SERVING], req))
+
+
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    """POST /tokenize."""
+    return json_response(await request.app[SERVING].tokenize(await _decode(request, p.TokenizeRequest)))
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    """POST /detokenize."""
+    return json_response(request.app[SERVING].detokenize(await _decode(request, p.DetokenizeRequest)))
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    """GET /v1/models."""
+    return json_response(request.app[SERVING].models())
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    """GET /health: 200 while the engine loop runs and the server is not draining."""
+    if request.app[DRAINING].is_set() or not request.app[ENGINE].is_running:
+        return json_response({"status": "unavailable"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.StreamResponse:
+    """GET /version."""
+    return json_response(p.VersionResponse(version=__version__))
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    """GET /metrics in the Prometheus text format."""
+    text = request.app[SERVING].metrics.render(request.app[ENGINE].stats())
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.StreamResponse:
+    """GET /openapi.json."""
+    return json_response(p.openapi_schema(__version__))
+
+
+def build_app(engine: Any, config: ServerConfig) -> web.Application:
+    """The application over a built (not necessarily started) AsyncEngine; it starts and stops the engine."""
+    name = config.served_model_name or engine.config.model.path.name
+    # aiohttp's own limit backs up the Content-Length check for chunked bodies (it answers 413 too).
+    app = web.Application(
+        middlewares=[error_middleware, gate_middleware], client_max_size=config.max_body_bytes
+    )
+    app[ENGINE] = engine
+    app[CONFIG] = config
+    app[SERVING] = OpenAIServing(engine, name, ServerMetrics(name), config.max_queue_len)
+    app[DRAINING] = asyncio.Event()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+
+    async def start_engine(app: web.Application) -> None:
+        await engine.start()
+
+    async def stop_engine(app: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_startup.append(start_engine)
+    app.on_cleanup.append(stop_engine)
+    return app
+
+
+async def start_server(engine: Any, config: ServerConfig) -> tuple[web.AppRunner, str]:
+    """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free)."""
+    app = build_app(engine, config)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=config.shutdown_timeout,
+        access_log=logging.getLogger("aiohttp.access"),
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+async def stop_server(runner: web.AppRunner) -> None:
+    """Drain: refuse new generations, stop listening, give in-flight ones shutdown_timeout, then cancel."""
+    runner.app[DRAINING].set()
+    await runner.cleanup()
+
+
+async def run_server(engine_factory: Callable[[], Any], config: ServerConfig) -> None:
+    """Load the model, serve until SIGTERM or SIGINT, then shut down gracefully."""
+    engine = engine_factory()
+    runner, url = await start_server(engine, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"tinypaged {__version__} serving {runner.app[SERVING].model_name} on {url}", flush=True)
+    await stop.wait()
+    logger.warning("shutting down: waiting up to %.0f s for in-flight requests", config.shutdown_timeout)
+    await stop_server(runner)
+
+
+def serve(engine_factory: Callable[[], Any], config: ServerConfig) -> int:
+    """Run the server on uvloop until it is told to stop; 0 on a clean shutdown."""
+    import uvloop
+
+    uvloop.run(run_server(engine_factory, config))
+    return 0

@@ -1,0 +1,124 @@
+"""Server metrics in the Prometheus text format (version 0.0.4), with vLLM's metric names under `tinypaged:`.
+
+Gauges and token counters are read from the engine at scrape time; latency histograms and the finished-request
+counter are observed here as requests stream through the server.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+# (metric name, type, help, the engine's stats() field): read at scrape time.
+ENGINE_METRICS = (
+    ("num_requests_running", "gauge", "Number of requests running on the GPU (in the batch).", "num_running"),
+    ("num_requests_waiting", "gauge", "Number of requests waiting to be scheduled.", "num_waiting"),
+    ("num_requests_swapped", "gauge", "Number of requests swapped out to CPU memory.", "num_swapped"),
+    (
+        "gpu_cache_usage_perc",
+        "gauge",
+        "GPU KV cache usage: 1 means 100 percent of blocks used.",
+        "gpu_cache_usage",
+    ),
+    ("cpu_cache_usage_perc", "gauge", "CPU (swap) KV cache usage: 1 means 100 percent.", "cpu_cache_usage"),
+    ("num_preemptions", "counter", "Cumulative number of preemptions.", "num_preemptions"),
+    ("prompt_tokens", "counter", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    ("generation_tokens", "counter", "Number of generation tokens processed.", "generation_tokens_total"),
+)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class Histogram:
+    """A cumulative-bucket histogram, as Prometheus exposes one."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is the +Inf overflow
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, labels: str) -> list[str]:
+        """The family's lines; `labels` is the rendered label set without braces."""
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
+            running += n
+            lines.append(f'{self.name}_bucket{{{labels},le="{_number(float(bound))}"}} {running}')
+        lines += [
+            f"{self.name}_sum{{{labels}}} {_number(self.sum)}",
+            f"{self.name}_count{{{labels}}} {self.count}",
+        ]
+        return lines
+
+
+class ServerMetrics:
+    """Everything `/metrics` exposes for one served model."""
+
+    prefix = "tinypaged:"
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = f'model_name="{_escape(model_name)}"'
+        p = self.prefix
+        self.ttft = Histogram(
+            f"{p}time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.tpot = Histogram(
+            f"{p}time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            f"{p}e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            E2E_BUCKETS,
+        )
+        self.finished: Counter[str] = Counter()
+
+    def request_finished(self, finish_reason: str | None) -> None:
+        """Count a request that ran to its end (stop or length), or one that was aborted."""
+        self.finished[finish_reason or "abort"] += 1
+
+    def render(self, stats: Any) -> str:
+        """The whole exposition; `stats` is the engine's `stats()` (an object or a mapping)."""
+        get = stats.get if isinstance(stats, dict) else (lambda k: getattr(stats, k))
+        lines: list[str] = []
+        for name, kind, help_text, field in ENGINE_METRICS:
+            # The classic text format names a counter with its `_total` suffix on the TYPE line too.
+            full = self.prefix + name + ("_total" if kind == "counter" else "")
+            lines += [
+                f"# HELP {full} {help_text}",
+                f"# TYPE {full} {kind}",
+                f"{full}{{{self.labels}}} {_number(get(field))}",
+            ]
+        full = f"{self.prefix}request_success_total"
+        lines += [f"# HELP {full} Count of finished requests by finish reason.", f"# TYPE {full} counter"]
+        for reason in sorted(self.finished):
+            lines.append(
+                f'{full}{{{self.labels},finished_reason="{_escape(reason)}"}} {self.finished[reason]}'
+            )
+        for hist in (self.ttft, self.tpot, self.e2e):
+            lines += hist.render(self.labels)
+        return "\n".join(lines) + "\n"

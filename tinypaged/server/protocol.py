@@ -1,0 +1,322 @@
+"""The HTTP schema, OpenAI's names and shapes, as msgspec Structs: decoding a request validates it.
+
+Field constraints live in the types (`Annotated[..., Meta(...)]`) so that `/openapi.json` shows them and a bad
+value fails with msgspec's path to the field. Cross-field rules and engine limits are checked in serving.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+# vLLM's limit on top-k alternatives per token; OpenAI's legacy completions allow 5 and chat 20.
+MAX_LOGPROBS = 20
+
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    """`stream_options`: whether a last chunk carries the request's usage."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """The sampling parameters both endpoints share (OpenAI's, plus vLLM's extras)."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    min_p: Probability = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """`POST /v1/completions`: prompt as a string, a list of strings, token ids or lists of token ids."""
+
+    prompt: str | list[str | TokenId | list[TokenId]]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    """One part of a message's content; only text parts are served."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct):
+    """One chat message; `content` may be a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """`POST /v1/chat/completions`: messages rendered through the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+
+
+class UsageInfo(Struct):
+    """Token counts of one request (every prompt and choice)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    """The legacy completions logprobs: parallel lists over the choice's tokens."""
+
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    """One choice of a completion (a whole one, or a stream chunk's delta)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    """The body of a completion, or one SSE chunk of a streamed one (then `usage` is null but in the last)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+class TopLogprob(Struct):
+    """One alternative token in the chat logprobs format."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(Struct):
+    """One generated token in the chat logprobs format, with its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatLogprobs(Struct):
+    """`choices[i].logprobs` of a chat completion."""
+
+    content: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatResponseMessage(Struct):
+    """The assistant's message of a chat choice."""
+
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    """The body of a chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    """What one chunk adds to a streamed chat message (the role in the first only)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    """One choice's delta in a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    """One SSE chunk of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    """One served model."""
+
+    id: str
+    created: int
+    root: str
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "tinypaged"
+
+
+class ModelList(Struct):
+    """`GET /v1/models`."""
+
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """`POST /tokenize`: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(Struct):
+    """Token ids of a prompt and how many fit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """`POST /detokenize`."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    """The text of the token ids."""
+
+    prompt: str
+
+
+class VersionResponse(Struct):
+    """`GET /version`."""
+
+    version: str
+
+
+class ErrorInfo(Struct):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    """Every error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# (method, path, request type, response type, summary): the routes /openapi.json describes.
+ROUTES: list[tuple[str, str, type | None, type | None, str]] = [
+    (
+        "post",
+        "/v1/completions",
+        CompletionRequest,
+        CompletionResponse,
+        "Create a completion (SSE when stream)",
+    ),
+    (
+        "post",
+        "/v1/chat/completions",
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        "Create a chat completion",
+    ),
+    ("get", "/v1/models", None, ModelList, "List the served model"),
+    ("post", "/tokenize", TokenizeRequest, TokenizeResponse, "Tokenize a prompt or chat messages"),
+    ("post", "/detokenize", DetokenizeRequest, DetokenizeResponse, "Decode token ids"),
+    ("get", "/version", None, VersionResponse, "The server's version"),
+    ("get", "/health", None, None, "200 while the engine serves, 503 otherwise"),
+    ("get", "/metrics", None, None, "Prometheus text format"),
+]
+
+
+def openapi_schema(version: str) -> dict:
+    """The OpenAPI 3.1 document of ROUTES, its schemas generated from the Structs above."""
+    types = [t for _, _, req, resp, _ in ROUTES for t in (req, resp) if t is not None]
+    types += [ErrorResponse, ChatCompletionChunk]
+    refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    ref = dict(zip(types, refs, strict=True))
+    error = {"description": "error", "content": {"application/json": {"schema": ref[ErrorResponse]}}}
+    paths: dict[str, dict] = {}
+    for method, path, req, resp, summary in ROUTES:
+        ok = {"description": "OK"}
+        if resp is not None:
+            ok["content"] = {"application/json": {"schema": ref[resp]}}
+        op: dict = {"summary": summary, "responses": {"200": ok}}
+        if req is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[req]}}}
+            op["responses"].update({code: error for code in ("400", "401", "404", "413", "503")})
+        paths.setdefault(path, {})[method] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tinypaged", "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

@@ -1,0 +1,365 @@
+"""What the OpenAI endpoints share: checks, prompts to SamplingParams, the engine's streams, tokenize.
+
+Nothing in the server's endpoint modules knows aiohttp: an endpoint returns a response Struct, or an async
+iterator of SSE event bytes whose first item comes after the request's first step (so a request that fails
+early still gets a proper status). completions.py and chat.py build on this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.server import protocol as p
+from tinypaged.server.metrics import ServerMetrics
+
+_LONG_TEXT = 8192  # tokenize texts longer than this (characters) in a thread, off the event loop
+
+_encoder = msgspec.json.Encoder()
+
+
+class APIError(Exception):
+    """An error response: HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+        self.info = p.ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class TokenizedPrompt:
+    """A prompt's text (None when given as token ids) and its token ids."""
+
+    text: str | None
+    ids: list[int]
+
+
+@dataclass
+class ChoiceState:
+    """What a stream has sent of one choice so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+class OpenAIServing:
+    """The served model behind the endpoints: its engine, tokenizer, name, limits and metrics."""
+
+    def __init__(
+        self, engine: Any, model_name: str, metrics: ServerMetrics, max_queue_len: int | None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_queue_len = max_queue_len
+        self.max_model_len: int = engine.config.max_model_len
+        self.created = int(time.time())
+
+    # ---- checks shared by the endpoints ---------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless `name` is absent or the served model's name."""
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_queue(self) -> None:
+        """503 with Retry-After while `max_queue_len` requests already wait for the engine."""
+        if self.max_queue_len is None:
+            return
+        waiting = self.engine.stats().num_waiting
+        if waiting >= self.max_queue_len:
+            raise APIError(
+                503,
+                f"The server is overloaded: {waiting} requests are waiting (max_queue_len "
+                f"{self.max_queue_len}); retry later.",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > _LONG_TEXT:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.config.model.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param=param)
+
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
+        """The completion budget, or 400 when the prompt (plus what was asked for) exceeds max_model_len."""
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} for the completion). Please reduce the length of the prompt or "
+                f"completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(
+        self,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if req.n > self.engine.config.max_num_seqs:
+            raise APIError(
+                400,
+                f"n must be at most max_num_seqs ({self.engine.config.max_num_seqs}), got {req.n}",
+                param="n",
+            )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    # ---- generation -----------------------------------------------------------------------------------
+
+    async def _track(self, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, observing TTFT, time per output token and E2E latency."""
+        start = time.monotonic()
+        last, seen = 0.0, 0
+        outcome: str | None = "abort"  # what to count if the request ends early: a client gone, a shutdown
+        try:
+            async for out in gen:
+                now = time.monotonic()
+                n = len(out.outputs[0].token_ids) if out.outputs else 0
+                if n > seen:
+                    if seen == 0:
+                        self.metrics.ttft.observe(now - start)
+                    else:
+                        self.metrics.tpot.observe((now - last) / (n - seen))
+                    last, seen = now, n
+                if out.finished:
+                    outcome = None
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.request_finished(
+                        "error" if out.error or not out.outputs else out.outputs[0].finish_reason
+                    )
+                yield out
+        except ValueError as e:  # the engine's verdict on a prompt or params the checks here let through
+            outcome = None
+            raise APIError(400, str(e)) from e
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if outcome is not None:
+                self.metrics.request_finished(outcome)
+            await gen.aclose()  # aborts the request in the engine if it is still running
+
+    def generate(
+        self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Start one engine request per prompt; their outputs merged, tagged with the prompt's index."""
+        gens = [
+            self._track(
+                self.engine.generate({"prompt": pr.text, "prompt_token_ids": pr.ids}, sp, f"{request_id}-{i}")
+            )
+            for i, (pr, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return merge(gens)
+
+    async def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
+        """The chat template applied to the messages (400 if the template rejects them)."""
+        dicts = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "\n".join(part.text for part in content)
+            dicts.append({"role": m.role, "content": content or ""})
+        try:
+            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    # ---- /tokenize, /detokenize, /v1/models -----------------------------------------------------------
+
+    async def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
+        """Token ids of a prompt or of chat messages."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            text = await self.render_chat(req.messages, req.add_generation_prompt)
+            ids = await self.encode(text, False)
+        else:
+            ids = await self.encode(req.prompt or "", req.add_special_tokens)
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+
+    def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """The text of token ids."""
+        self.check_model(req.model)
+        self.check_ids(req.tokens, "tokens")
+        return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, False))
+
+    def models(self) -> p.ModelList:
+        """The one served model."""
+        return p.ModelList(
+            data=[
+                p.ModelCard(
+                    id=self.model_name,
+                    created=self.created,
+                    root=str(self.engine.config.model.path),
+                    max_model_len=self.max_model_len,
+                )
+            ]
+        )
+
+
+def holdback(params: SamplingParams) -> int:
+    """Characters a stream keeps back so that a stop string cut from the text was never sent."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
+def advance(st: ChoiceState, o: CompletionOutput, hold: int) -> tuple[str, list[int], list | None]:
+    """The text, token ids and logprobs a choice gained since the last chunk; marks it done when finished."""
+    st.done = o.finish_reason is not None
+    end = len(o.text) if st.done else max(st.text_len, len(o.text) - hold)
+    delta = o.text[st.text_len : end]
+    st.text_len = max(st.text_len, end)
+    new_ids = o.token_ids[st.num_tokens :]
+    new_lps = o.logprobs[st.num_tokens :] if o.logprobs is not None else None
+    st.num_tokens = len(o.token_ids)
+    return delta, new_ids, new_lps
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    """400 for a request the engine ended without running (e.g. one that can never fit in the cache)."""
+    if out.error:
+        raise APIError(400, out.error)
+
+
+def usage_of(finals: list[RequestOutput]) -> p.UsageInfo:
+    """Token counts of finished requests: each prompt once, every choice's output."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+    """The final output of each of `n` merged requests, in index order."""
+    finals: list[RequestOutput | None] = [None] * n
+    async with contextlib.aclosing(outputs):
+        async for i, out in outputs:
+            if out.finished:
+                raise_if_failed(out)
+                finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests as they come, tagged with the request's index.
+
+    Closing the merged iterator (or an error from one request) cancels and closes every request.
+    """
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
