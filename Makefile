@@ -35,7 +35,8 @@ test: setup weights
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/kernels
 
 lint: setup
-	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks
+	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks loadtest
+	$(VENV)/bin/ruff format --check tinypaged kernels weights tests benchmarks loadtest
 
 clean:
 	rm -rf $(VENV) $(MODEL)

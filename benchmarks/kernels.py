@@ -32,7 +32,8 @@ try:
     import tinypaged.kernels as tk
 except ImportError:  # not pip-installed: map the repo's kernels/ onto tinypaged.kernels by hand
     spec = importlib.util.spec_from_file_location(
-        "tinypaged.kernels", ROOT / "kernels" / "__init__.py",
+        "tinypaged.kernels",
+        ROOT / "kernels" / "__init__.py",
         submodule_search_locations=[str(ROOT / "kernels")],
     )
     assert spec is not None and spec.loader is not None
@@ -120,8 +121,12 @@ def sdpa_per_seq(q, kv, bt, seq_lens, qsl, scale) -> torch.Tensor:
         qpos = torch.arange(length - n, length, device=DEV)
         mask = torch.arange(length, device=DEV)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(
-            q[starts[i] : starts[i + 1]].transpose(0, 1)[None], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            q[starts[i] : starts[i + 1]].transpose(0, 1)[None],
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out
@@ -144,8 +149,11 @@ def correctness() -> None:
                 for splits in (1, 3, 16):
                     dq, dkv, dbt, dsl, dqsl = paged_batch([1] * 6, ctx[:6], hq, hkv, d, 16, seed=splits)
                     o = tk.paged_attention(dq, dkv, dbt, dsl, dqsl, scale, num_kv_splits=splits)
-                    check(f"attn decode {hq}/{hkv}/{d} splits {splits}", rel_err(o, ops.ref_paged_attention(
-                        dq, dkv, dbt, dsl, dqsl, scale)), 1e-2)
+                    check(
+                        f"attn decode {hq}/{hkv}/{d} splits {splits}",
+                        rel_err(o, ops.ref_paged_attention(dq, dkv, dbt, dsl, dqsl, scale)),
+                        1e-2,
+                    )
 
     # Decode inside a CUDA graph: hints given, no host sync; replay after the lengths change.
     ctx = [100, 900, 3000, 7, 64, 2000, 511, 4000]
@@ -163,8 +171,11 @@ def correctness() -> None:
     sl.copy_(torch.tensor([50, 901, 2500, 8, 1, 1999, 512, 3999], dtype=torch.int32))  # within the tables
     graph.replay()
     torch.cuda.synchronize()
-    check("attn decode in a CUDA graph, lengths changed", rel_err(out, ops.ref_paged_attention(
-        q, kv, bt, sl, qsl, 0.088)), 1e-2)
+    check(
+        "attn decode in a CUDA graph, lengths changed",
+        rel_err(out, ops.ref_paged_attention(q, kv, bt, sl, qsl, 0.088)),
+        1e-2,
+    )
 
     # The small kernels, bf16.
     x, r = (torch.randn(37, 4096, device=DEV, dtype=DT) for _ in range(2))
@@ -206,8 +217,14 @@ def copy_bandwidth() -> float:
     return bw
 
 
-DECODE_CONFIGS = [AttnConfig(16, 64, 4, 3, 128), AttnConfig(16, 64, 4, 3), AttnConfig(16, 64, 4, 4, 128),
-                  AttnConfig(16, 32, 4, 4, 128), AttnConfig(16, 128, 4, 3), AttnConfig(16, 128, 8, 2)]
+DECODE_CONFIGS = [
+    AttnConfig(16, 64, 4, 3, 128),
+    AttnConfig(16, 64, 4, 3),
+    AttnConfig(16, 64, 4, 4, 128),
+    AttnConfig(16, 32, 4, 4, 128),
+    AttnConfig(16, 128, 4, 3),
+    AttnConfig(16, 128, 8, 2),
+]
 
 
 def decode(copy_bw: float, quick: bool) -> None:
@@ -227,8 +244,9 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
     g = hq // hkv
     kv_bytes = batch * ctx * hkv * d * 2 * 2
     n_sets = max(1, -(-256 * 2**20 // kv_bytes))
-    sets = [paged_batch([1] * batch, [ctx - 1] * batch, hq, hkv, d, block_size, seed=i)
-            for i in range(n_sets)]
+    sets = [
+        paged_batch([1] * batch, [ctx - 1] * batch, hq, hkv, d, block_size, seed=i) for i in range(n_sets)
+    ]
     scale = d**-0.5
     q0 = sets[0][0]
     default_cfg = tk.attention.default_configs(q0, g)
@@ -236,8 +254,9 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
 
     def ours(s: tuple[torch.Tensor, ...], cfg: Any = None, splits: int | None = None) -> Any:
         configs = None if cfg is None else (cfg, default_cfg[1])
-        return lambda: tk.paged_attention(*s, scale, max_query_len=1, max_seq_len=ctx, num_kv_splits=splits,
-                                          configs=configs)
+        return lambda: tk.paged_attention(
+            *s, scale, max_query_len=1, max_seq_len=ctx, num_kv_splits=splits, configs=configs
+        )
 
     best = (float("inf"), None, None)
     sweep = [(c, s) for c in DECODE_CONFIGS for s in sorted({1, max(1, auto // 2), auto, auto * 2})]
@@ -256,27 +275,50 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
     if best[1] is None:
         best = (ms_default, default_cfg[0], auto)
     # SDPA on a contiguous cache [B, Hkv, L, D]: GQA as G query rows per KV head, and with enable_gqa.
-    caches = [(s[0], torch.randn(batch, hkv, ctx, d, device=DEV, dtype=DT),
-               torch.randn(batch, hkv, ctx, d, device=DEV, dtype=DT)) for s in sets]
+    caches = [
+        (
+            s[0],
+            torch.randn(batch, hkv, ctx, d, device=DEV, dtype=DT),
+            torch.randn(batch, hkv, ctx, d, device=DEV, dtype=DT),
+        )
+        for s in sets
+    ]
     sdpa = F.scaled_dot_product_attention
-    ms_sdpa_rows = graph_ms([lambda c=c: sdpa(c[0].view(batch, hkv, g, d), c[1], c[2], scale=scale)
-                             for c in caches])
-    ms_sdpa_gqa = graph_ms([lambda c=c: sdpa(c[0].view(batch, hq, 1, d), c[1], c[2], scale=scale,
-                                             enable_gqa=True) for c in caches])
+    ms_sdpa_rows = graph_ms(
+        [lambda c=c: sdpa(c[0].view(batch, hkv, g, d), c[1], c[2], scale=scale) for c in caches]
+    )
+    ms_sdpa_gqa = graph_ms(
+        [
+            lambda c=c: sdpa(c[0].view(batch, hq, 1, d), c[1], c[2], scale=scale, enable_gqa=True)
+            for c in caches
+        ]
+    )
     ms_sdpa = min(ms_sdpa_rows, ms_sdpa_gqa)
     row = {
-        "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes, "input_sets": n_sets, "splits_auto": auto,
-        "ms_default": ms_default, "TBps_default": kv_bytes / ms_default / 1e9, "ms_default_eager": ms_eager,
-        "ms_best": best[0], "best_cfg": repr(best[1]), "best_splits": best[2],
+        "batch": batch,
+        "ctx": ctx,
+        "kv_bytes": kv_bytes,
+        "input_sets": n_sets,
+        "splits_auto": auto,
+        "ms_default": ms_default,
+        "TBps_default": kv_bytes / ms_default / 1e9,
+        "ms_default_eager": ms_eager,
+        "ms_best": best[0],
+        "best_cfg": repr(best[1]),
+        "best_splits": best[2],
         "TBps_best": kv_bytes / best[0] / 1e9,
-        "ms_sdpa_rows": ms_sdpa_rows, "ms_sdpa_gqa": ms_sdpa_gqa, "TBps_sdpa": kv_bytes / ms_sdpa / 1e9,
+        "ms_sdpa_rows": ms_sdpa_rows,
+        "ms_sdpa_gqa": ms_sdpa_gqa,
+        "TBps_sdpa": kv_bytes / ms_sdpa / 1e9,
         "frac_copy_default": kv_bytes / ms_default / 1e-3 / copy_bw,
         "frac_copy_sdpa": kv_bytes / ms_sdpa / 1e-3 / copy_bw,
     }
     RESULTS["decode"].append(row)
-    print(f"decode {batch}x{ctx}: default {row['TBps_default']:.2f} TB/s (splits {auto}), best "
-          f"{row['TBps_best']:.2f} ({row['best_cfg']}, splits {best[2]}), sdpa {row['TBps_sdpa']:.2f}",
-          flush=True)
+    print(
+        f"decode {batch}x{ctx}: default {row['TBps_default']:.2f} TB/s (splits {auto}), best "
+        f"{row['TBps_best']:.2f} ({row['best_cfg']}, splits {best[2]}), sdpa {row['TBps_sdpa']:.2f}",
+        flush=True,
+    )
     if batch == 64:  # host time of one eager call (what CUDA graphs remove)
         fn = ours(sets[0])
         n = 200
@@ -288,15 +330,25 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
         torch.cuda.synchronize()
 
 
-PREFILL_CONFIGS = [AttnConfig(128, 32, 4, 4), AttnConfig(128, 64, 4, 4), AttnConfig(128, 64, 4, 5),
-                   AttnConfig(128, 128, 8, 3), AttnConfig(256, 64, 8, 3), AttnConfig(256, 64, 8, 4),
-                   AttnConfig(256, 128, 8, 3), AttnConfig(256, 32, 8, 3)]
+PREFILL_CONFIGS = [
+    AttnConfig(128, 32, 4, 4),
+    AttnConfig(128, 64, 4, 4),
+    AttnConfig(128, 64, 4, 5),
+    AttnConfig(128, 128, 8, 3),
+    AttnConfig(256, 64, 8, 3),
+    AttnConfig(256, 64, 8, 4),
+    AttnConfig(256, 128, 8, 3),
+    AttnConfig(256, 32, 8, 3),
+]
 
 
 def prefill(quick: bool) -> None:
     """Causal prefill attention TFLOP/s (4 x 2048 new tokens, and 4 x 512 after 1536 cached), beside SDPA."""
-    for batch, new, ctx, heads in [(4, 2048, 0, (32, 8, 128)), (4, 512, 1536, (32, 8, 128)),
-                                   (4, 2048, 0, (9, 3, 64))]:
+    for batch, new, ctx, heads in [
+        (4, 2048, 0, (32, 8, 128)),
+        (4, 512, 1536, (32, 8, 128)),
+        (4, 2048, 0, (9, 3, 64)),
+    ]:
         prefill_shape(batch, new, ctx, heads, quick)
         torch.cuda.empty_cache()
 
@@ -313,8 +365,9 @@ def prefill_shape(batch: int, new: int, ctx: int, heads: tuple[int, int, int], q
 
     def ours(cfg: Any = None) -> torch.Tensor:
         configs = None if cfg is None else (default_cfg[0], cfg)
-        return tk.paged_attention(q, kv, bt, sl, qsl, scale, max_query_len=new, max_seq_len=ctx + new,
-                                  configs=configs)
+        return tk.paged_attention(
+            q, kv, bt, sl, qsl, scale, max_query_len=new, max_seq_len=ctx + new, configs=configs
+        )
 
     best = (float("inf"), None)
     for cfg in [] if quick else PREFILL_CONFIGS:
@@ -344,15 +397,27 @@ def prefill_shape(batch: int, new: int, ctx: int, heads: tuple[int, int, int], q
     ms_exp = bench(lambda: sdpa(qs, ke, ve, scale=scale, **mask_kw))
     ms_sdpa = min(ms_gqa, ms_exp)
     row = {
-        "batch": batch, "new": new, "ctx": ctx, "heads": heads, "flops": flops,
-        "ms_default": ms_default, "TFLOPs_default": flops / ms_default / 1e9,
-        "ms_best": best[0], "best_cfg": repr(best[1]), "TFLOPs_best": flops / best[0] / 1e9,
-        "ms_sdpa_gqa": ms_gqa, "ms_sdpa_expanded": ms_exp, "TFLOPs_sdpa": flops / ms_sdpa / 1e9,
+        "batch": batch,
+        "new": new,
+        "ctx": ctx,
+        "heads": heads,
+        "flops": flops,
+        "ms_default": ms_default,
+        "TFLOPs_default": flops / ms_default / 1e9,
+        "ms_best": best[0],
+        "best_cfg": repr(best[1]),
+        "TFLOPs_best": flops / best[0] / 1e9,
+        "ms_sdpa_gqa": ms_gqa,
+        "ms_sdpa_expanded": ms_exp,
+        "TFLOPs_sdpa": flops / ms_sdpa / 1e9,
         "frac_sdpa_default": ms_sdpa / ms_default,
     }
     RESULTS["prefill"].append(row)
-    print(f"prefill {batch}x{new} ctx {ctx} heads {heads}: default {row['TFLOPs_default']:.0f} TFLOP/s, best "
-          f"{row['TFLOPs_best']:.0f} ({row['best_cfg']}), sdpa {row['TFLOPs_sdpa']:.0f}", flush=True)
+    print(
+        f"prefill {batch}x{new} ctx {ctx} heads {heads}: default {row['TFLOPs_default']:.0f} TFLOP/s, best "
+        f"{row['TFLOPs_best']:.0f} ({row['best_cfg']}), sdpa {row['TFLOPs_sdpa']:.0f}",
+        flush=True,
+    )
 
 
 def small(copy_bw: float) -> None:
@@ -379,42 +444,65 @@ def small(copy_bw: float) -> None:
     rows.append(("copy_blocks 64 pairs x 32 layers", cb_bytes, lambda: tk.copy_blocks(kvc, mapping)))
     for name, nbytes, fn in rows:
         ms = bench(fn)
-        RESULTS["small"].append({"name": name, "bytes": nbytes, "ms": ms, "TBps": nbytes / ms / 1e9,
-                                 "frac_copy": nbytes / ms / 1e-3 / copy_bw})
+        RESULTS["small"].append(
+            {
+                "name": name,
+                "bytes": nbytes,
+                "ms": ms,
+                "TBps": nbytes / ms / 1e9,
+                "frac_copy": nbytes / ms / 1e-3 / copy_bw,
+            }
+        )
         print(f"{name}: {nbytes / ms / 1e9:.2f} TB/s", flush=True)
 
 
 def table() -> str:
     """The summary table, measured figures only."""
-    lines = [f"device: {RESULTS['device']}; torch {torch.__version__}, triton {triton.__version__}",
-             f"copy bandwidth (read+write): {RESULTS['copy']['TBps']:.2f} TB/s",
-             f"checks: {sum(c['ok'] for c in RESULTS['checks'])}/{len(RESULTS['checks'])} ok "
-             f"(worst rel err {max(c['rel_err'] for c in RESULTS['checks']):.1e})", "",
-             "| decode 32/8/128 bf16 bs16 (graphs) | KV MB | ours us | ours TB/s | % copy | best cfg TB/s "
-             "| ours eager us | SDPA us | SDPA TB/s | % copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"device: {RESULTS['device']}; torch {torch.__version__}, triton {triton.__version__}",
+        f"copy bandwidth (read+write): {RESULTS['copy']['TBps']:.2f} TB/s",
+        f"checks: {sum(c['ok'] for c in RESULTS['checks'])}/{len(RESULTS['checks'])} ok "
+        f"(worst rel err {max(c['rel_err'] for c in RESULTS['checks']):.1e})",
+        "",
+        "| decode 32/8/128 bf16 bs16 (graphs) | KV MB | ours us | ours TB/s | % copy | best cfg TB/s "
+        "| ours eager us | SDPA us | SDPA TB/s | % copy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in RESULTS["decode"]:
-        lines.append(f"| {r['batch']} x {r['ctx']} | {r['kv_bytes'] / 1e6:.0f} | {r['ms_default'] * 1e3:.1f} "
-                     f"| "
-                     f"{r['TBps_default']:.2f} | {100 * r['frac_copy_default']:.0f} | {r['TBps_best']:.2f} | "
-                     f"{r['ms_default_eager'] * 1e3:.1f} | "
-                     f"{min(r['ms_sdpa_rows'], r['ms_sdpa_gqa']) * 1e3:.1f} | {r['TBps_sdpa']:.2f} | "
-                     f"{100 * r['frac_copy_sdpa']:.0f} |")
-    lines += ["", "| prefill bf16 causal | ours ms | ours TFLOP/s | best cfg TFLOP/s | SDPA ms "
-              "| SDPA TFLOP/s | ours / SDPA |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['batch']} x {r['ctx']} | {r['kv_bytes'] / 1e6:.0f} | {r['ms_default'] * 1e3:.1f} "
+            f"| "
+            f"{r['TBps_default']:.2f} | {100 * r['frac_copy_default']:.0f} | {r['TBps_best']:.2f} | "
+            f"{r['ms_default_eager'] * 1e3:.1f} | "
+            f"{min(r['ms_sdpa_rows'], r['ms_sdpa_gqa']) * 1e3:.1f} | {r['TBps_sdpa']:.2f} | "
+            f"{100 * r['frac_copy_sdpa']:.0f} |"
+        )
+    lines += [
+        "",
+        "| prefill bf16 causal | ours ms | ours TFLOP/s | best cfg TFLOP/s | SDPA ms "
+        "| SDPA TFLOP/s | ours / SDPA |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in RESULTS["prefill"]:
         heads = "/".join(map(str, r["heads"]))
-        lines.append(f"| {r['batch']} x {r['new']} new, {r['ctx']} cached, {heads} | "
-                     f"{r['ms_default']:.3f} | "
-                     f"{r['TFLOPs_default']:.0f} | {r['TFLOPs_best']:.0f} | "
-                     f"{min(r['ms_sdpa_gqa'], r['ms_sdpa_expanded']):.3f} | {r['TFLOPs_sdpa']:.0f} | "
-                     f"{100 * r['frac_sdpa_default']:.0f}% |")
+        lines.append(
+            f"| {r['batch']} x {r['new']} new, {r['ctx']} cached, {heads} | "
+            f"{r['ms_default']:.3f} | "
+            f"{r['TFLOPs_default']:.0f} | {r['TFLOPs_best']:.0f} | "
+            f"{min(r['ms_sdpa_gqa'], r['ms_sdpa_expanded']):.3f} | {r['TFLOPs_sdpa']:.0f} | "
+            f"{100 * r['frac_sdpa_default']:.0f}% |"
+        )
     lines += ["", "| kernel | MB moved | us | TB/s | % copy |", "|---|---|---|---|---|"]
     for r in RESULTS["small"]:
-        lines.append(f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['ms'] * 1e3:.1f} | {r['TBps']:.2f} | "
-                     f"{100 * r['frac_copy']:.0f} |")
+        lines.append(
+            f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['ms'] * 1e3:.1f} | {r['TBps']:.2f} | "
+            f"{100 * r['frac_copy']:.0f} |"
+        )
     if "decode_host_us_per_call" in RESULTS:
-        lines.append(f"\nhost time per decode attention call (64 seqs, eager): "
-                     f"{RESULTS['decode_host_us_per_call']:.1f} us")
+        lines.append(
+            f"\nhost time per decode attention call (64 seqs, eager): "
+            f"{RESULTS['decode_host_us_per_call']:.1f} us"
+        )
     return "\n".join(lines)
 
 

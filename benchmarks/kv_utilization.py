@@ -6,7 +6,7 @@ wastes most of it. This script runs a workload through the real engine with a KV
 full, measures slot utilisation after every step, and sets it beside what reservation would have used for
 the same running sequences.
 
-    .venv/bin/python benchmarks/kv_utilization.py [--requests 48] [--blocks 160] [--out benchmarks/results/kv_utilization-cpu.json]
+    .venv/bin/python benchmarks/kv_utilization.py [--requests 48] [--blocks 160] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def main() -> None:
     for i in range(args.requests):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))]
         out_len = rng.randint(16, 128)
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=out_len, ignore_eos=True))
+        engine.add_request(
+            str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=out_len, ignore_eos=True)
+        )
         max_len[str(i)] = len(prompt) + out_len
 
     samples = []
@@ -89,7 +91,9 @@ def main() -> None:
         print(f"{k:<48} {result[k]}")
     print(f"{'KV slots holding real tokens at peak (paged)':<48} {result['slot_utilization_at_peak']:.2%}")
     print(f"{'worst single step at peak (paged)':<48} {worst:.2%}")
-    print(f"{'same sequences, max length reserved up front':<48} {result['reservation_utilization_same_sequences']:.2%}")
+    print(
+        f"{'same sequences, max length reserved up front':<48} {result['reservation_utilization_same_sequences']:.2%}"
+    )
 
 
 if __name__ == "__main__":

@@ -43,11 +43,26 @@ def _find_seq(query_start_loc, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, q_pos,
-    k_ptr, v_ptr, bt_row, kv_head_off, seq_len, tile_lo, tile_hi,
-    stride_kb, stride_kt, qk_scale,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    bt_row,
+    kv_head_off,
+    seq_len,
+    tile_lo,
+    tile_hi,
+    stride_kb,
+    stride_kt,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with KV tiles [tile_lo, tile_hi) of one sequence/KV head."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -83,14 +98,36 @@ def _attend_tiles(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
-    q_ptr, kv_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kv, stride_kb, stride_kt, stride_kh, stride_bt,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, SKIP_SINGLE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    num_seqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
@@ -130,7 +167,8 @@ def _paged_attn_kernel(
     q_rows = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None],
+        other=0.0,
     )
 
     # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
@@ -153,14 +191,48 @@ def _paged_attn_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_kh
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, kv_head_off, seq_len,
-        lo, tl.minimum(hi, n_full), stride_kb, stride_kt, qk_scale,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PREC,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row,
+        kv_head_off,
+        seq_len,
+        lo,
+        tl.minimum(hi, n_full),
+        stride_kb,
+        stride_kt,
+        qk_scale,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        False,
+        DOT_PREC,
     )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, kv_head_off, seq_len,
-        tl.maximum(lo, n_full), hi, stride_kb, stride_kt, qk_scale,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PREC,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row,
+        kv_head_off,
+        seq_len,
+        tl.maximum(lo, n_full),
+        hi,
+        stride_kb,
+        stride_kt,
+        qk_scale,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        True,
+        DOT_PREC,
     )
 
     if SPLIT_KV:
@@ -179,8 +251,16 @@ def _paged_attn_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _reduce_kernel(
-    out_ptr, part_o_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    out_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
 ):
     """Combine the split-KV partials of one (decode sequence, query head) into its output row."""
     seq = tl.program_id(0)
@@ -306,12 +386,20 @@ def paged_attention(
         return out
     decode_cfg, prefill_cfg = configs or default_configs(q, g)
     common = dict(
-        qk_scale=scale * _LOG2E, num_seqs=num_seqs,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_kv=kv_layer.stride(0), stride_kb=kv_layer.stride(1), stride_kt=kv_layer.stride(2),
+        qk_scale=scale * _LOG2E,
+        num_seqs=num_seqs,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_kv=kv_layer.stride(0),
+        stride_kb=kv_layer.stride(1),
+        stride_kt=kv_layer.stride(2),
         stride_kh=kv_layer.stride(3),
         stride_bt=block_tables.stride(0),
-        G=g, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        G=g,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
     tensors = (block_tables, seq_lens, query_start_loc)
@@ -321,10 +409,23 @@ def paged_attention(
         block_q = cfg.block_m // g
         grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + num_seqs, 1)
         _paged_attn_kernel[grid](
-            q, kv_layer, out, out, out, *tensors, **common,
-            BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-            num_splits=1, DECODE=False, SKIP_SINGLE=True, SPLIT_KV=False,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(q, cfg),
+            q,
+            kv_layer,
+            out,
+            out,
+            out,
+            *tensors,
+            **common,
+            BLOCK_M=cfg.block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=cfg.block_n,
+            num_splits=1,
+            DECODE=False,
+            SKIP_SINGLE=True,
+            SPLIT_KV=False,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **_launch_options(q, cfg),
         )
         if num_tokens >= num_seqs * max_query_len:  # no sequence has a single new token
             return out
@@ -337,14 +438,36 @@ def paged_attention(
     else:
         part_o = part_ml = out
     _paged_attn_kernel[(num_kv_heads, num_seqs, splits)](
-        q, kv_layer, out, part_o, part_ml, *tensors, **common,
-        BLOCK_M=cfg.block_m, BLOCK_Q=1, BLOCK_N=cfg.block_n,
-        num_splits=splits, DECODE=True, SKIP_SINGLE=False, SPLIT_KV=splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_launch_options(q, cfg),
+        q,
+        kv_layer,
+        out,
+        part_o,
+        part_ml,
+        *tensors,
+        **common,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=1,
+        BLOCK_N=cfg.block_n,
+        num_splits=splits,
+        DECODE=True,
+        SKIP_SINGLE=False,
+        SPLIT_KV=splits > 1,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_launch_options(q, cfg),
     )
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_ml, query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_POW2=triton.next_power_of_2(splits), num_warps=4,
+            out,
+            part_o,
+            part_ml,
+            query_start_loc,
+            num_seqs,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_POW2=triton.next_power_of_2(splits),
+            num_warps=4,
         )
     return out

@@ -9,9 +9,23 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_heads,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    n_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Copy token t's keys and values `[Hkv, D]` into slot `slot_mapping[t]`, unless that slot is negative."""
     t = tl.program_id(0).to(tl.int64)
@@ -37,18 +51,36 @@ def write_kv(
         return
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, n_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=kv_layer.shape[2], HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        n_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=kv_layer.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(n_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
     )
 
 
 @triton.jit
 def _copy_blocks_kernel(
-    cache_ptr, mapping_ptr, stride_layer, stride_kv, stride_block,
-    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+    cache_ptr,
+    mapping_ptr,
+    stride_layer,
+    stride_kv,
+    stride_block,
+    BLOCK_NUMEL: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Copy one chunk of block `mapping[i, 0]` to block `mapping[i, 1]` in one (layer, key-or-value) plane."""
     pair = tl.program_id(0).to(tl.int64)
@@ -77,6 +109,12 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (n_pairs, 2 * num_layers, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
-        kv_cache, mapping, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        BLOCK_NUMEL=block_numel, CHUNK=chunk, num_warps=4,
+        kv_cache,
+        mapping,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=chunk,
+        num_warps=4,
     )

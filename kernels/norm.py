@@ -9,9 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n_cols,
-    stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """out = (x [+ residual]) * rsqrt(mean((x [+ residual])^2) + eps) * w, in fp32; also stores the sum."""
     row = tl.program_id(0).to(tl.int64)
@@ -49,9 +59,20 @@ def rms_norm(
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(n_rows,)](
-            x2, r2, weight, out, res_out, eps, n_cols,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x2,
+            r2,
+            weight,
+            out,
+            res_out,
+            eps,
+            n_cols,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
         )
     if residual is None:
         return out.view(shape)

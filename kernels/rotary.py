@@ -8,8 +8,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, n_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    x_ptr,
+    o_ptr,
+    t,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
@@ -25,9 +38,27 @@ def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, n
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr, n_q_heads, n_k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_c,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    n_q_heads,
+    n_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_c,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
 ):
     """Rotary embedding of all q and k heads of one token."""
     t = tl.program_id(0).to(tl.int64)
@@ -36,10 +67,36 @@ def _rotary_kernel(
     c_ok = cols < HALF
     cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, n_k_heads, cos, sin,
-                  HALF, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(
+        q_ptr,
+        q_out_ptr,
+        t,
+        stride_qt,
+        stride_qh,
+        stride_qot,
+        stride_qoh,
+        n_q_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_HQ,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr,
+        k_out_ptr,
+        t,
+        stride_kt,
+        stride_kh,
+        stride_kot,
+        stride_koh,
+        n_k_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_HK,
+        BLOCK_HALF,
+    )
 
 
 def rotary_embedding(
@@ -56,10 +113,26 @@ def rotary_embedding(
         half = head_dim // 2
         block_hq = triton.next_power_of_2(n_q_heads)
         _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos_sin_cache, q_out, k_out, n_q_heads, n_k_heads,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=block_hq,
+            positions,
+            q,
+            k,
+            cos_sin_cache,
+            q_out,
+            k_out,
+            n_q_heads,
+            n_k_heads,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos_sin_cache.stride(0),
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HQ=block_hq,
             BLOCK_HK=triton.next_power_of_2(n_k_heads),
             num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
         )

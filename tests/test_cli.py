@@ -19,8 +19,14 @@ def tiny_model(tmp_path_factory, model_dir: Path) -> Path:
     """A tiny random Llama with the default model's tokenizer (vocab sized to match)."""
     out = tmp_path_factory.mktemp("tiny")
     cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
@@ -91,8 +97,17 @@ def _missing_tensor(tmp: Path, tiny: Path) -> Path:
         (lambda tmp, tiny: tiny, ["--block-size", "3", "Hi"], "block_size"),
     ],
     ids=[
-        "missing-dir", "non-llama", "corrupt", "truncated", "missing-tensor", "max-tokens-0", "max-tokens-neg",
-        "empty-prompt", "prompt-too-long", "max-model-len", "block-size",
+        "missing-dir",
+        "non-llama",
+        "corrupt",
+        "truncated",
+        "missing-tensor",
+        "max-tokens-0",
+        "max-tokens-neg",
+        "empty-prompt",
+        "prompt-too-long",
+        "max-model-len",
+        "block-size",
     ],
 )
 def test_bad_input_one_error_line(capsys, tmp_path: Path, tiny_model: Path, make, extra, message) -> None:

@@ -14,7 +14,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """vLLM's engine arguments, with its names and meanings."""
     from tinypaged.llm import DEFAULT_MODEL
 
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory (HF layout, safetensors)")
+    p.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="model directory (HF layout, safetensors)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=0)
@@ -114,11 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the URL is printed)")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the API routes")
     srv.add_argument("--served-model-name", default=None, help="its name in the API (default: dir name)")
-    srv.add_argument("--max-queue-len", type=int, default=None,
-                     help="answer 503 + Retry-After while this many requests wait (default: unbounded)")
+    srv.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After while this many requests wait (default: unbounded)",
+    )
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="print the continuation of one prompt")
@@ -134,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     wsub = weights.add_subparsers(dest="weights_command", required=True)
     fetch = wsub.add_parser("fetch", help="download and convert the default model (SmolLM2-135M-Instruct)")
     fetch.add_argument("--out", type=Path, default=None)
-    fetch.add_argument("--force", action="store_true", help="convert again even when the directory is complete")
+    fetch.add_argument(
+        "--force", action="store_true", help="convert again even when the directory is complete"
+    )
     fetch.set_defaults(func=_weights)
     from tinypaged.weights.random_model import PRESETS
 
@@ -149,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script: bad input ends with one `error:` line and exit status 2."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
     try:
         return args.func(args)
     except (ConfigError, ValueError, MemoryError) as e:

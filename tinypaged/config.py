@@ -70,7 +70,9 @@ class ModelConfig:
             # transformers >= 5 writes rope settings as one `rope_parameters` dict; checkpoints in the wild
             # carry `rope_theta` and `rope_scaling`.
             rope = raw.get("rope_parameters") or {}
-            rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            rope_scaling = raw.get("rope_scaling") or (
+                rope if rope.get("rope_type", "default") != "default" else None
+            )
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             cfg = cls(

@@ -73,7 +73,9 @@ def ref_rotary_embedding(
     return rotate(q), rotate(k)
 
 
-def ref_write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def ref_write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write key/value `[T, Hkv, D]` into the cache at `slot_mapping` `[T]`; negative slots are skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -82,7 +84,9 @@ def ref_write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
     flat[1, slots] = value[keep].to(kv_layer.dtype)
 
 
-def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
+def _gather_context(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, ...]:
     """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`."""
     block_size = kv_layer.shape[2]
     pos = torch.arange(length, device=kv_layer.device)
@@ -178,7 +182,9 @@ def rotary_embedding(
     return ref_rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write new keys and values into their slots (see `ref_write_kv`)."""
     if uses_triton(key):
         from tinypaged.kernels import write_kv as kernel
@@ -208,8 +214,14 @@ def paged_attention(
         from tinypaged.kernels import paged_attention as kernel
 
         return kernel(
-            q, kv_layer, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            q,
+            kv_layer,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
     return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
 
@@ -225,7 +237,9 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     return ref_copy_blocks(kv_cache, block_mapping)
 
 
-def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: list[tuple[int, int]]) -> None:
+def swap_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: list[tuple[int, int]]
+) -> None:
     """Copy blocks between the GPU cache and the (pinned) CPU swap cache: rows (src block, dst block)."""
     if not block_mapping:
         return

@@ -44,9 +44,7 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special_ids = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
-        )
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._template = None
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -91,7 +89,9 @@ class IncrementalDetokenizer:
     back while it ends in U+FFFD, i.e. while a multi-byte character is still split across tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])  # a little prompt context for the first token's spacing
@@ -115,7 +115,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of generation, emit whatever is held back (a dangling partial character included)."""
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        prefix = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta

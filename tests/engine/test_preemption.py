@@ -54,7 +54,9 @@ def test_outputs_unchanged_under_preemption(model_dir: Path, reference: list[lis
     outs = small.generate(PROMPTS, PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == reference
     sched = small.engine.scheduler
-    print(f"\n{mode}: {sched.num_preemptions} preemptions, {sched.num_swap_outs} swap-outs, {len(steps)} steps")
+    print(
+        f"\n{mode}: {sched.num_preemptions} preemptions, {sched.num_swap_outs} swap-outs, {len(steps)} steps"
+    )
     assert sched.num_preemptions > 0
     if mode == "swap":
         assert sched.num_swap_outs > 0 and any(s.blocks_to_swap_in for s in steps)
@@ -90,7 +92,9 @@ def test_prefix_caching_skips_shared_blocks(model_dir: Path) -> None:
     computed_cached = sum(o.num_batched_tokens for o in cached_steps)
     kv = cached.engine.kv
     hit_rate = kv.num_prefix_hit_blocks / max(1, kv.num_prefix_queried_blocks)
-    print(f"\nprefix caching: {computed_cached} tokens computed vs {computed_plain}; block hit rate {hit_rate:.2f}")
+    print(
+        f"\nprefix caching: {computed_cached} tokens computed vs {computed_plain}; block hit rate {hit_rate:.2f}"
+    )
     assert computed_cached < computed_plain - 5 * 96  # five prompts skip at least 6 full blocks each
     assert hit_rate > 0.5
     kv.check_integrity()

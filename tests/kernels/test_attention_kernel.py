@@ -13,8 +13,14 @@ AttnConfig = attention.AttnConfig
 
 
 def make_batch(
-    q_lens: list[int], ctx_lens: list[int], num_kv_heads: int, g: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, seed: int,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_kv_heads: int,
+    g: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
 ) -> tuple[torch.Tensor, ...]:
     """Random q and cache; shuffled block tables padded with -1 (never to be read) and spare blocks."""
     gen = torch.Generator().manual_seed(seed)

@@ -11,8 +11,11 @@ from tinypaged import ops
 
 @pytest.mark.parametrize(
     ("src_dtype", "cache_dtype", "block_size", "heads", "head_dim"),
-    [(torch.float32, torch.float32, 8, 2, 64), (torch.float16, torch.float16, 16, 3, 64),
-     (torch.float32, torch.float16, 32, 1, 128)],
+    [
+        (torch.float32, torch.float32, 8, 2, 64),
+        (torch.float16, torch.float16, 16, 3, 64),
+        (torch.float32, torch.float16, 32, 1, 128),
+    ],
 )
 def test_write_kv(
     src_dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int, heads: int, head_dim: int

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from tinypaged.weights import WeightsError, default_gguf_path, fetch_default_model, is_complete
 from tinypaged.weights import fetch as fetch_module
 

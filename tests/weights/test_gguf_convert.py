@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+
 from tinypaged.weights import WeightsError, convert_gguf
 from tinypaged.weights.gguf_convert import unpermute_rope_rows
 

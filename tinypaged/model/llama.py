@@ -88,8 +88,14 @@ class Attention(nn.Module):
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.write_kv(k, v, kv_layer, meta.slot_mapping)
         out = ops.paged_attention(
-            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            q,
+            kv_layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
         )
         return self.o_proj(out.view(t, self.q_size))
 
@@ -144,7 +150,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.max_positions = max_positions
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
 
@@ -153,7 +161,11 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = rope_cos_sin_cache(self.cfg, self.max_positions, self.embed_tokens.weight.device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None

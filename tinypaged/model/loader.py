@@ -57,7 +57,9 @@ def _tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, tor
             raise ConfigError(f"cannot read checkpoint {file}: {type(e).__name__}: {e}") from e
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
     """Build the model on the meta device, then materialise each parameter once on `device` in `dtype`
     and copy the checkpoint tensors into it: no second copy of the weights is ever held."""
     with torch.device("meta"):
@@ -65,7 +67,11 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     params = dict(model.named_parameters())
     for name, p in params.items():
         owner, attr = _owner(model, name)
-        setattr(owner, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False))
+        setattr(
+            owner,
+            attr,
+            torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False),
+        )
     params = dict(model.named_parameters())
     model.cos_sin_cache = torch.empty(0, device=device)
 
@@ -91,7 +97,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     expected = {f"{t}:{r}" for t, r in (_target(n, cfg) for n in _checkpoint_names(cfg))}
     missing = sorted(expected - loaded)
     if missing:
-        raise ConfigError(f"checkpoint {cfg.path} lacks {len(missing)} tensor(s), e.g. {missing[0].split(':')[0]}")
+        raise ConfigError(
+            f"checkpoint {cfg.path} lacks {len(missing)} tensor(s), e.g. {missing[0].split(':')[0]}"
+        )
     model.init_rope()
     return model.eval()
 
