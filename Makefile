@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-$(MODEL)/model.safetensors: | $(VENV)/.installed
+$(MODEL)/.complete: | $(VENV)/.installed
 	$(VENV)/bin/tinypaged weights fetch
 
-weights: $(MODEL)/model.safetensors
+weights: $(MODEL)/.complete
 
 serve: setup weights
 	$(VENV)/bin/tinypaged serve --model $(MODEL)
