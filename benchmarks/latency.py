@@ -74,7 +74,7 @@ class StepRecorder:
         """Put the engine's own methods back."""
         del self.engine.step, self.engine.runner.execute
 
-    def execute(self, out):  # noqa: ANN001, ANN201 (the runner's signature)
+    def execute(self, out, *rest):  # noqa: ANN001, ANN002, ANN201 (the runner's signature)
         cuda = torch.cuda.is_available()
         events = (
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
@@ -82,7 +82,7 @@ class StepRecorder:
         t0 = time.perf_counter()
         if events:
             events[0].record()
-        logits = self._execute(out)
+        result = self._execute(out, *rest)
         if events:
             events[1].record()
         self._cur = {
@@ -92,7 +92,7 @@ class StepRecorder:
             "launch_s": time.perf_counter() - t0,
             "events": events,
         }
-        return logits
+        return result
 
     def step(self):  # noqa: ANN201
         self._cur = {}

@@ -74,10 +74,10 @@ def test_abort_error_and_bad_input(aengine: AsyncEngine, monkeypatch) -> None:
     engine = aengine.engine
     real = engine.runner.execute
 
-    def flaky(out):  # noqa: ANN001
+    def flaky(out, *rest):  # noqa: ANN001, ANN002
         if any(s.request_id == "doomed" for s in out.scheduled):
             raise RuntimeError("injected failure")
-        return real(out)
+        return real(out, *rest)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

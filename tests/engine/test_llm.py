@@ -112,6 +112,25 @@ def test_logprobs(llm: LLM) -> None:
     )
 
 
+def test_prompt_logprobs_match_gguf_oracle(oracle_model, llm: LLM) -> None:
+    # Batched with a request that does not want them: the runner returns the logits of that one's chunk only.
+    tok = llm.get_tokenizer()
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    outs = llm.generate(
+        PROMPTS[:3], [plain, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2), plain]
+    )
+    assert outs[0].prompt_logprobs is None and outs[2].prompt_logprobs is None
+    ids = tok.encode(PROMPTS[1])
+    got = outs[1].prompt_logprobs
+    assert got is not None and len(got) == len(ids) and got[0] is None
+    with torch.no_grad():
+        want = torch.log_softmax(oracle_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos, (token, entry) in enumerate(zip(ids[1:], got[1:], strict=True)):
+        assert entry is not None and token in entry and len(entry) in (2, 3)
+        assert entry[token].logprob == pytest.approx(want[pos, token].item(), abs=1e-3)
+        assert entry[token].rank == int((want[pos] > want[pos, token]).sum()) + 1
+
+
 @pytest.mark.parametrize(
     "prompt,params,message",
     [

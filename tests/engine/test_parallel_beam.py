@@ -143,7 +143,7 @@ def test_abort_and_step_error_leave_a_clean_pool(llm: LLM, monkeypatch) -> None:
         engine.kv.check_integrity()
         real = engine.runner.execute
 
-        def boom(out):  # noqa: ANN001
+        def boom(out, *rest):  # noqa: ANN001, ANN002
             raise RuntimeError("device fell over")
 
         monkeypatch.setattr(engine.runner, "execute", boom)

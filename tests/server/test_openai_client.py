@@ -171,25 +171,67 @@ def test_chat_logprobs(client: openai.OpenAI, server) -> None:
     assert tokens == [t.token for t in content]
 
 
+def _choices(client: openai.OpenAI, server, stream: bool, count: int, chat: bool = False, **kw) -> tuple:
+    """(texts, finish reasons) by choice index of a completion or chat request, plain or streamed."""
+    create = client.chat.completions.create if chat else client.completions.create
+    kw.update(messages=MESSAGES) if chat else kw.setdefault("prompt", PROMPT)
+    out = create(model=server.model, stream=stream, **kw)
+    if stream:
+        texts, reasons, _ = _stream_text(out, count)
+        return texts, reasons
+    assert sorted(c.index for c in out.choices) == list(range(count))
+    by_index = sorted(out.choices, key=lambda c: c.index)
+    texts = [c.message.content if chat else c.text for c in by_index]
+    return texts, [c.finish_reason for c in by_index]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_sampling_n(client: openai.OpenAI, server, stream: bool) -> None:
-    n = 3
-    if stream:
-        texts, reasons, _ = _stream_text(
-            client.completions.create(
-                model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=n, stream=True
-            ),
-            n,
-        )
-    else:
-        out = client.completions.create(
-            model=server.model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=n
-        )
-        assert sorted(c.index for c in out.choices) == list(range(n))
-        texts, reasons = [c.text for c in out.choices], [c.finish_reason for c in out.choices]
+    # n sequences of one prompt are one engine request: the same seed gives the same samples either way.
+    kw = {"max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
+    texts, reasons = _choices(client, server, stream, 3, **kw)
     assert all(reasons) and len(set(texts)) > 1, texts
-    chat = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=4, n=2, seed=1)
-    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert _choices(client, server, not stream, 3, **kw) == (texts, reasons)
+    chat_texts, chat_reasons = _choices(client, server, stream, 2, chat=True, max_tokens=4, n=2, seed=1)
+    assert all(chat_reasons) and len(chat_texts) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_sampling_n_over_prompts(client: openai.OpenAI, server, stream: bool) -> None:
+    # Choice index = prompt index * n + output index, as OpenAI and vLLM number them.
+    prompts = [PROMPT, "1, 2, 3,"]
+    texts, reasons = _choices(
+        client, server, stream, 4, prompt=prompts, max_tokens=5, temperature=1.0, seed=5, n=2
+    )
+    assert all(reasons)
+    for i, prompt in enumerate(prompts):
+        alone = _choices(client, server, False, 2, prompt=prompt, max_tokens=5, temperature=1.0, seed=5, n=2)
+        assert alone == (texts[2 * i : 2 * i + 2], reasons[2 * i : 2 * i + 2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_best_of(client: openai.OpenAI, server, stream: bool) -> None:
+    kw = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2, "extra_body": {"best_of": 4}}
+    texts, reasons = _choices(client, server, stream, 2, **kw)
+    assert all(reasons) and _choices(client, server, not stream, 2, **kw) == (texts, reasons)
+    out = client.completions.create(model=server.model, prompt=PROMPT, logprobs=0, **kw)
+    cum = [sum(c.logprobs.token_logprobs) for c in sorted(out.choices, key=lambda c: c.index)]
+    assert cum == sorted(cum, reverse=True)  # the n most likely of the best_of samples, best first
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_beam_search(client: openai.OpenAI, server, stream: bool) -> None:
+    beams = {"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "early_stopping": "never"}
+    kw = {"prompt": "Water boils at a temperature of", "max_tokens": 10, "temperature": 0, "n": 3}
+    out = client.completions.create(model=server.model, logprobs=0, extra_body=beams, **kw)
+    choices = sorted(out.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2]
+    scores = [sum(c.logprobs.token_logprobs) / len(c.logprobs.tokens) ** 0.5 for c in choices]
+    assert scores == sorted(scores, reverse=True), scores  # ranked by HF's length-penalised score
+    texts, reasons = _choices(client, server, stream, 3, extra_body=beams, **kw)
+    assert texts == [c.text for c in choices] and reasons == [c.finish_reason for c in choices]
+    chat = _choices(client, server, stream, 2, chat=True, max_tokens=6, temperature=0, n=2, extra_body=beams)
+    assert all(chat[1]) and len(set(chat[0])) == 2
 
 
 def test_models(client: openai.OpenAI, server) -> None:

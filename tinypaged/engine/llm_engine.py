@@ -218,32 +218,25 @@ class LLMEngine:
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """The runner's step; with prompt_logprobs wanted, the same forward pass keeping prompt logits."""
+        """The runner's step: the logits of the rows that sample. Requests with prompt_logprobs get the logits
+        of their prompt chunk from the same forward pass and add its entries."""
         want = [i for i, s in enumerate(out.scheduled) if self._wants_prompt_logprobs(s.request_id, s.seq_id)]
-        if not want:
-            return self.runner.execute(out)
-        # ModelRunner.execute only returns the sampled rows' logits: run its parts to keep all positions.
-        runner = self.runner
-        with torch.inference_mode():
-            runner.move_blocks(out)
-            inp = runner.prepare(out)
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
-            starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
-            for i in want:
-                s = out.scheduled[i]
-                req = self.requests[s.request_id]
-                chunk = runner.model.compute_logits(hidden[starts[i] : starts[i + 1]])
-                seq = req.group.seqs[0]
-                assert req.prompt_logprobs is not None
-                req.prompt_logprobs += prompt_logprob_entries(
-                    self.tokenizer,
-                    chunk,
-                    seq.prompt_token_ids,
-                    s.num_computed_tokens,
-                    len(req.prompt_logprobs),
-                    req.params.prompt_logprobs or 0,
-                )
-            return runner.model.compute_logits(hidden[inp.sample_rows])
+        result = self.runner.execute(out, want)
+        if result is None:
+            return None
+        for i, chunk in result.prompt_logits.items():
+            s = out.scheduled[i]
+            req = self.requests[s.request_id]
+            assert req.prompt_logprobs is not None
+            req.prompt_logprobs += prompt_logprob_entries(
+                self.tokenizer,
+                chunk,
+                req.group.seqs[0].prompt_token_ids,
+                s.num_computed_tokens,
+                len(req.prompt_logprobs),
+                req.params.prompt_logprobs or 0,
+            )
+        return result.logits
 
     def _wants_prompt_logprobs(self, request_id: str, seq_id: int) -> bool:
         req = self.requests.get(request_id)

@@ -10,8 +10,10 @@ sampler's read of the sampled tokens.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +73,15 @@ class ModelInput:
     meta: AttentionMetadata
     sample_rows: torch.Tensor | slice  # the rows of the T new tokens whose logits are sampled
     graph_batch_size: int = 0  # > 0: replay the decode graph of this (padded) batch size
+
+
+@dataclass(frozen=True)
+class ExecuteOutput:
+    """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
+
+    logits: torch.Tensor  # [S, vocab]: each sampling sequence's last new token, in scheduled order
+    # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,9 +242,10 @@ class ModelRunner:
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """The step's batch tensors, staged through one pinned buffer (graph buffers for decode batches)."""
-        bs = self._graph_size_for(out.scheduled)
+    def prepare(self, out: SchedulerOutput, eager: bool = False) -> ModelInput:
+        """The step's batch tensors, staged through one pinned buffer (graph buffers for decode batches,
+        unless `eager`)."""
+        bs = 0 if eager else self._graph_size_for(out.scheduled)
         if bs:
             return self._staging.stage_decode(out.scheduled, bs, self.config.max_model_len)
         return self._staging.stage(out.scheduled)
@@ -247,21 +259,30 @@ class ModelRunner:
             ops.copy_blocks(self.kv_cache, mapping)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Perform the step's block moves and forward pass; the logits `[S, vocab]` of the sampled rows.
+    def execute(self, out: SchedulerOutput, prompt_logits_of: Collection[int] = ()) -> ExecuteOutput | None:
+        """Perform the step's block moves and forward pass; the logits of the sampled rows and, for each
+        index of `out.scheduled` in `prompt_logits_of`, of all that sequence's new tokens (such a step runs
+        eagerly: a decode graph keeps only what it captured). None when nothing is scheduled.
 
         Nothing here waits for the device: the logits come back still being computed.
         """
         self.move_blocks(out)
         if not out.scheduled:
             return None
-        inp = self.prepare(out)
+        inp = self.prepare(out, eager=bool(prompt_logits_of))
         if inp.graph_batch_size:
             graph, hidden = self._graphs[inp.graph_batch_size]
             graph.replay()
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
-        return self.model.compute_logits(hidden[inp.sample_rows])
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        if not prompt_logits_of:
+            return ExecuteOutput(logits)
+        starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
+        prompt_logits = {
+            i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
+        }
+        return ExecuteOutput(logits, prompt_logits)
 
 
 class _Staging:

@@ -18,6 +18,7 @@ from tinypaged.server.serving import (
     TokenizedPrompt,
     advance,
     collect,
+    final_only,
     holdback,
     raise_if_failed,
     sse,
@@ -43,7 +44,7 @@ async def create_chat_completion(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = serving.generate(rid, [prompt], [params])
     if req.stream:
-        return _stream_chat(serving, rid, req, outputs, holdback(params))
+        return _stream_chat(serving, rid, req, outputs, holdback(params), final_only(params))
     (out,) = await collect(outputs, 1)
     choices = [
         p.ChatChoice(
@@ -68,7 +69,10 @@ async def _stream_chat(
     req: p.ChatCompletionRequest,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     hold: int,
+    wait: bool,
 ) -> AsyncIterator[bytes]:
+    """SSE chunks: each choice's role first, then its content deltas by output index, then its finish
+    reason. With `wait` (see `final_only`) the choices come whole when the request is done."""
     created = int(time.time())
     top = (req.top_logprobs or 0) if req.logprobs else None
     states: dict[int, ChoiceState] = {}
@@ -83,11 +87,14 @@ async def _stream_chat(
 
     async with contextlib.aclosing(outputs):
         async for _, out in outputs:
-            if not states:  # OpenAI's first chunk of each choice carries only the role
+            if wait and not out.finished:
+                continue
+            new = [o.index for o in out.outputs if o.index not in states]
+            if new:  # OpenAI's first chunk of each choice carries only the role
                 yield chunk(
                     [
                         p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
-                        for i in range(len(out.outputs))
+                        for i in new
                     ]
                 )
             choices = []

@@ -18,6 +18,7 @@ from tinypaged.server.serving import (
     TokenizedPrompt,
     advance,
     collect,
+    final_only,
     holdback,
     raise_if_failed,
     sse,
@@ -76,7 +77,9 @@ async def create_completion(
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = serving.generate(rid, prompts, params)
     if req.stream:
-        return _stream_completion(serving, rid, req, prompts, outputs, holdback(params[0]))
+        return _stream_completion(
+            serving, rid, req, prompts, outputs, holdback(params[0]), final_only(params[0])
+        )
     finals = await collect(outputs, len(prompts))
     choices = []
     for i, out in enumerate(finals):
@@ -116,12 +119,17 @@ async def _stream_completion(
     prompts: list[TokenizedPrompt],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     hold: int,
+    wait: bool,
 ) -> AsyncIterator[bytes]:
+    """SSE chunks of every prompt's choices; choice `prompt_index * n + output index`. With `wait` (see
+    `final_only`) each choice comes whole in one chunk when its prompt's request is done."""
     created = int(time.time())
     states: dict[tuple[int, int], ChoiceState] = {}
     finals: dict[int, RequestOutput] = {}
     async with contextlib.aclosing(outputs):
         async for i, out in outputs:
+            if wait and not out.finished:
+                continue
             choices = []
             for o in out.outputs:
                 st = states.setdefault((i, o.index), ChoiceState())

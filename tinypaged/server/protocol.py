@@ -30,6 +30,7 @@ class _SamplingFields(Struct, kw_only=True):
 
     model: str | None = None
     n: Annotated[int, Meta(ge=1)] = 1
+    best_of: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
@@ -44,6 +45,9 @@ class _SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None

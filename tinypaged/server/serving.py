@@ -157,16 +157,16 @@ class OpenAIServing:
     ) -> SamplingParams:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if req.n > self.engine.config.max_num_seqs:
-            raise APIError(
-                400,
-                f"n must be at most max_num_seqs ({self.engine.config.max_num_seqs}), got {req.n}",
-                param="n",
-            )
+        # One engine request generates every sequence of a prompt (they share its blocks), so all must fit.
+        limit = self.engine.config.max_num_seqs
+        for name, value in (("n", req.n), ("best_of", req.best_of)):
+            if value is not None and value > limit:
+                raise APIError(400, f"{name} must be at most max_num_seqs ({limit}), got {value}", param=name)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
                 n=req.n,
+                best_of=req.best_of,
                 temperature=req.temperature,
                 top_p=req.top_p,
                 top_k=req.top_k,
@@ -184,6 +184,9 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                use_beam_search=req.use_beam_search,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -226,7 +229,11 @@ class OpenAIServing:
     def generate(
         self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Start one engine request per prompt; their outputs merged, tagged with the prompt's index."""
+        """Start one engine request per prompt; their outputs merged, tagged with the prompt's index.
+
+        A prompt's `n` (or `best_of`) sequences are one request: the engine forks them after the prompt, so
+        they share its KV blocks; each output's `index` tells them apart.
+        """
         gens = [
             self._track(
                 self.engine.generate({"prompt": pr.text, "prompt_token_ids": pr.ids}, sp, f"{request_id}-{i}")
@@ -287,6 +294,12 @@ def holdback(params: SamplingParams) -> int:
     if not params.stop or params.include_stop_str_in_output:
         return 0
     return max(len(s) for s in params.stop) - 1
+
+
+def final_only(params: SamplingParams) -> bool:
+    """Whether a stream sends each choice only once the request is done: with best_of > n or beam search,
+    which sequences are returned (and in what order) is known only at the end."""
+    return params.use_beam_search or params.num_seqs > params.n
 
 
 def advance(st: ChoiceState, o: CompletionOutput, hold: int) -> tuple[str, list[int], list | None]:
