@@ -309,7 +309,9 @@ def default_configs(q: torch.Tensor, num_queries_per_kv: int) -> tuple[AttnConfi
 
 
 @functools.cache
-def _default_configs(is_cuda: bool, g: int, head_dim: int, elem_bytes: int = 2) -> tuple[AttnConfig, AttnConfig]:
+def _default_configs(
+    is_cuda: bool, g: int, head_dim: int, elem_bytes: int = 2
+) -> tuple[AttnConfig, AttnConfig]:
     rows = max(16, triton.next_power_of_2(g))
     if not is_cuda:  # TRITON_INTERPRET: small tiles, so that tiny test shapes span several of them
         return AttnConfig(rows, 16), AttnConfig(max(32, rows), 16)
@@ -317,7 +319,9 @@ def _default_configs(is_cuda: bool, g: int, head_dim: int, elem_bytes: int = 2) 
     decode = AttnConfig(rows, 64, num_warps=4, num_stages=3, maxnreg=128)
     if head_dim <= 64:
         prefill = AttnConfig(max(128, rows), 64, num_warps=4, num_stages=4)
-    elif elem_bytes > 2:  # fp32 tiles are twice the bytes: the half-precision tile needs 263 KB of shared memory
+    elif (
+        elem_bytes > 2
+    ):  # fp32 tiles are twice the bytes: the half-precision tile needs 263 KB of shared memory
         prefill = AttnConfig(max(128, rows), 32, num_warps=8, num_stages=2)
     else:
         prefill = AttnConfig(max(256, rows), 64, num_warps=8, num_stages=3)
