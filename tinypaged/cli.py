@@ -42,13 +42,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - keeps `tinypaged --help` free of imports
     """The EngineConfig the engine arguments describe (the same fields `LLM(...)` takes)."""
-    from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
+    from tinypaged.config import EngineConfig
 
-    kw = _engine_kwargs(args)
-    cache_keys = "block_size gpu_memory_utilization num_gpu_blocks_override swap_space enable_prefix_caching"
-    cache = CacheConfig(**{k: kw.pop(k) for k in cache_keys.split()})
-    kw["max_model_len"] = kw["max_model_len"] or 0
-    return EngineConfig(model=ModelConfig.from_dir(args.model), cache=cache, **kw)
+    return EngineConfig.from_engine_args(args.model, **_engine_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> int:

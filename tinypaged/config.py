@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -160,6 +160,14 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+
+    @classmethod
+    def from_engine_args(cls, model: str | Path, **engine_args: Any) -> EngineConfig:
+        """Build from vLLM-style flat engine arguments (what `LLM(...)` and the CLI take)."""
+        cache_keys = {f.name for f in fields(CacheConfig)} & engine_args.keys()
+        cache = CacheConfig(**{k: engine_args.pop(k) for k in cache_keys})
+        engine_args["max_model_len"] = engine_args.get("max_model_len") or 0
+        return cls(model=ModelConfig.from_dir(model), cache=cache, **engine_args)
 
     @property
     def max_blocks_per_seq(self) -> int:

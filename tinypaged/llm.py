@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
+from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, Prompt
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -34,23 +34,20 @@ class LLM:
         preemption_mode: Literal["recompute", "swap"] | None = None,
         enforce_eager: bool = False,
     ) -> None:
-        cache = CacheConfig(
+        self.config = EngineConfig.from_engine_args(
+            model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
             block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
             swap_space=swap_space,
             enable_prefix_caching=enable_prefix_caching,
-        )
-        self.config = EngineConfig(
-            model=ModelConfig.from_dir(model),
-            cache=cache,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len or 0,
+            max_model_len=max_model_len,
             preemption_mode=preemption_mode,
-            dtype=dtype,
-            device=device,
-            seed=seed,
             enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(self.config)
