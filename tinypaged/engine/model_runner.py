@@ -121,7 +121,9 @@ class ModelRunner:
         self._staging = _Staging(config, self.device)
         self.num_gpu_blocks = config.cache.num_gpu_blocks_override or self._blocks_that_fit()
         self.num_cpu_blocks = int(config.cache.swap_space * GiB // self.block_bytes)
-        self.kv_cache = self._allocate(self.num_gpu_blocks, self.device)
+        # Zeroed, not empty: the torch reference attention reads whole blocks (and padding) and masks afterwards,
+        # and uninitialised memory can hold NaNs, which a zero attention weight does not cancel (0 * NaN = NaN).
+        self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True)
         self.stats.kv_cache_bytes = self.num_gpu_blocks * self.block_bytes
         # torch.empty leaves host pages untouched until a block is swapped out, so unused swap space costs nothing.
         self.swap_cache = self._allocate(
@@ -141,10 +143,13 @@ class ModelRunner:
             self._graph_sizes or "no batch size",
         )
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    def _allocate(
+        self, num_blocks: int, device: torch.device, pin: bool = False, zero: bool = False
+    ) -> torch.Tensor:
         m = self.config.model
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     # ---- memory ------------------------------------------------------------------------------------------
 
