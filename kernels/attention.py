@@ -14,12 +14,11 @@ without masks, the rest (diagonal, end of sequence) with them. Softmax is online
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for the running max: a row or split that sees no key keeps l = 0 without NaNs.
@@ -282,78 +281,6 @@ def _reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class AttnConfig:
-    """Tile shape and launch parameters of one mode of the attention kernel."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-    maxnreg: int | None = None  # a register cap, to keep a whole number of programs resident per SM
-
-
-# Decode programs resident per SM with the default decode tile (capped at 128 registers x 128 threads; 39 KB
-# of shared memory): the split choice counts waves of this many programs.
-_DECODE_PROGRAMS_PER_SM = 4
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_configs(q: torch.Tensor, num_queries_per_kv: int) -> tuple[AttnConfig, AttnConfig]:
-    """(decode, prefill) tile configs for this device and shape; tiny tiles under the interpreter."""
-    return _default_configs(q.is_cuda, num_queries_per_kv, q.shape[-1], q.element_size())
-
-
-@functools.cache
-def _default_configs(
-    is_cuda: bool, g: int, head_dim: int, elem_bytes: int = 2
-) -> tuple[AttnConfig, AttnConfig]:
-    rows = max(16, triton.next_power_of_2(g))
-    if not is_cuda:  # TRITON_INTERPRET: small tiles, so that tiny test shapes span several of them
-        return AttnConfig(rows, 16), AttnConfig(max(32, rows), 16)
-    # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md).
-    decode = AttnConfig(rows, 64, num_warps=4, num_stages=3, maxnreg=128)
-    if head_dim <= 64:
-        prefill = AttnConfig(max(128, rows), 64, num_warps=4, num_stages=4)
-    elif (
-        elem_bytes > 2
-    ):  # fp32 tiles are twice the bytes: the half-precision tile needs 263 KB of shared memory
-        prefill = AttnConfig(max(128, rows), 32, num_warps=8, num_stages=2)
-    else:
-        prefill = AttnConfig(max(256, rows), 64, num_warps=8, num_stages=3)
-    return decode, prefill
-
-
-def choose_num_splits(
-    q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
-) -> int:
-    """KV splits for decode: the fewest that minimise the waves of equal programs, each at least 4 tiles."""
-    if not q.is_cuda:
-        return 1
-    slots = _DECODE_PROGRAMS_PER_SM * _num_sms(q.device)
-    return _choose_num_splits(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
-
-
-@functools.cache
-def _choose_num_splits(programs: int, slots: int, max_splits: int) -> int:
-    # Time ~ waves of programs (a partly filled last wave costs a whole one) / splits, plus a guess of the
-    # costs that grow with the split count (per-program setup, partials) and of the reduce launch.
-    best, best_cost = 1, float(triton.cdiv(programs, slots))
-    for s in range(2, max_splits + 1):
-        cost = triton.cdiv(programs * s, slots) / s * (1.02 + 0.01 * s)
-        if cost < best_cost * 0.999:
-            best, best_cost = s, cost
-    return best
-
-
-def _launch_options(q: torch.Tensor, cfg: AttnConfig) -> dict[str, int]:
-    return {"maxnreg": cfg.maxnreg} if q.is_cuda and cfg.maxnreg else {}
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -431,7 +358,7 @@ def paged_attention(
             SPLIT_KV=False,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            **_launch_options(q, cfg),
+            **launch_options(q, cfg),
         )
         if num_tokens >= num_seqs * max_query_len:  # no sequence has a single new token
             return out
@@ -460,7 +387,7 @@ def paged_attention(
         SPLIT_KV=splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **_launch_options(q, cfg),
+        **launch_options(q, cfg),
     )
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
