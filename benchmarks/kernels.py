@@ -3,8 +3,9 @@
     PYTHONPATH=$PWD python3 benchmarks/kernels.py [--out DIR] [--quick]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
-then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / rotary /
-KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the same run.
+then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
+rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
+same run.
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -182,6 +183,8 @@ def correctness() -> None:
     w = torch.randn(4096, device=DEV, dtype=DT)
     (o, s), (ro, rs) = tk.rms_norm(x, w, 1e-5, r), ops.ref_rms_norm(x, w, 1e-5, r)
     check("rms_norm + residual", max(rel_err(o, ro), rel_err(s, rs)), 1e-2)
+    gate_up = torch.randn(37, 2 * 14336, device=DEV, dtype=DT)
+    check("silu_and_mul", rel_err(tk.silu_and_mul(gate_up), ops.ref_silu_and_mul(gate_up)), 1e-2)
     positions = torch.randint(0, 8192, (37,), device=DEV)
     inv = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device=DEV).float() / 128)
     ang = torch.arange(8192, device=DEV).float()[:, None] * inv
@@ -421,7 +424,7 @@ def prefill_shape(batch: int, new: int, ctx: int, heads: tuple[int, int, int], q
 
 
 def small(copy_bw: float) -> None:
-    """RMSNorm, rotary, KV write and block copy: bytes they must move over time, against copy bandwidth."""
+    """RMSNorm, SwiGLU, rotary, KV write and block copy: bytes they must move over time, against copy bandwidth."""
     t, h = 8192, 4096
     x, r = (torch.randn(t, h, device=DEV, dtype=DT) for _ in range(2))
     w = torch.randn(h, device=DEV, dtype=DT)
@@ -429,6 +432,12 @@ def small(copy_bw: float) -> None:
         ("rms_norm 8192x4096", 2 * t * h * 2, lambda: tk.rms_norm(x, w, 1e-5)),
         ("rms_norm+residual 8192x4096", 4 * t * h * 2, lambda: tk.rms_norm(x, w, 1e-5, r)),
         ("torch rms_norm+residual (ref)", 4 * t * h * 2, lambda: ops.ref_rms_norm(x, w, 1e-5, r)),
+    ]
+    inter = 14336  # Llama-3.1-8B; reads gate and up [T, 2 * I], writes [T, I]
+    gate_up = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
+    rows += [
+        ("silu_and_mul 8192x14336", 3 * t * inter * 2, lambda: tk.silu_and_mul(gate_up)),
+        ("torch silu_and_mul (ref)", 3 * t * inter * 2, lambda: ops.ref_silu_and_mul(gate_up)),
     ]
     positions = torch.randint(0, 8192, (t,), device=DEV)
     cache = torch.randn(8192, 128, device=DEV)

@@ -1,8 +1,16 @@
 """Triton kernels of tinypaged, installed as `tinypaged.kernels`; `tinypaged.ops` is the facade over them."""
 
+from .activation import silu_and_mul
 from .attention import paged_attention
 from .cache import copy_blocks, write_kv
 from .norm import rms_norm
 from .rotary import rotary_embedding
 
-__all__ = ["copy_blocks", "paged_attention", "rms_norm", "rotary_embedding", "write_kv"]
+__all__ = [
+    "copy_blocks",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv",
+]

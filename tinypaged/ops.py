@@ -153,6 +153,12 @@ def ref_paged_attention(
     return out
 
 
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection `[..., 2 * I]` (gate then up): `silu(gate) * up`, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy whole blocks `src -> dst` (rows of `block_mapping` `[N, 2]`) in every layer, keys and values."""
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
@@ -254,6 +260,9 @@ def swap_blocks(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation of a fused gate/up projection `[..., 2 * I]`."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """SwiGLU activation of a fused gate/up projection `[T, 2 * I]` (see `ref_silu_and_mul`)."""
+    if uses_triton(x):
+        from tinypaged.kernels import silu_and_mul as kernel
+
+        return kernel(x)
+    return ref_silu_and_mul(x)
