@@ -30,12 +30,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap each step's host work with the device's (default: on for a GPU)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     keys = (
         "dtype device seed block_size gpu_memory_utilization num_gpu_blocks_override swap_space "
-        "enable_prefix_caching max_num_seqs max_num_batched_tokens max_model_len preemption_mode enforce_eager"
+        "enable_prefix_caching max_num_seqs max_num_batched_tokens max_model_len preemption_mode enforce_eager "
+        "async_scheduling"
     ).split()
     return {k: getattr(args, k) for k in keys}
 

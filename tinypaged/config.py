@@ -143,6 +143,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode batches
+    # Queue each step before applying the previous step's tokens, so host work overlaps the device (None: on
+    # for a GPU, where it pays; off on the CPU, where the host is the device).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:

@@ -33,6 +33,7 @@ class LLM:
         max_model_len: int | None = None,
         preemption_mode: Literal["recompute", "swap"] | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.config = EngineConfig.from_engine_args(
             model,
@@ -49,6 +50,7 @@ class LLM:
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(self.config)
         self._next_id = 0

@@ -224,7 +224,9 @@ class KVCacheManager:
         bs = self.block_size
         table = self._tables.get(seq.seq_id, [])
         hashes = self._block_hashes.setdefault(seq.seq_id, [])
-        for i in range(len(hashes), min(seq.num_computed_tokens // bs, len(table))):
+        # Only blocks whose tokens the host knows: a pending token's block is cached once it resolves.
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        for i in range(len(hashes), min(known // bs, len(table))):
             parent_hash, parent_id = hashes[-1] if hashes else (None, None)
             token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block_hash = self._hash_fn(parent_hash, token_ids)

@@ -36,7 +36,9 @@ class ScheduledSeq:
     request_id: str
     num_computed_tokens: int  # position of the first new token
     num_new_tokens: int
-    token_ids: tuple[int, ...]  # the new tokens to compute
+    # The new tokens to compute, as far as the host knows them: under async scheduling a decode's input token
+    # may still be pending on the device (then this is empty and the runner reads the last step's sample).
+    token_ids: tuple[int, ...]
     block_table: tuple[int, ...]  # covers positions [0, num_computed_tokens + num_new_tokens)
     do_sample: bool  # this chunk reaches the sequence's last token: sample the next one
 

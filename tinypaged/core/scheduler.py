@@ -330,6 +330,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
+        seq.num_pending = 0  # samples still in flight for it are dropped
         self.kv.free(seq.seq_id)
 
     def _drop_group(self, group: SequenceGroup) -> None:

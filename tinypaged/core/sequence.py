@@ -36,7 +36,7 @@ _FINISHED = frozenset(
 class Sequence:
     """One stream of tokens (prompt + generated output) and its progress through the model."""
 
-    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed_tokens", "status")
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed_tokens", "status", "num_pending")
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -47,6 +47,9 @@ class Sequence:
         # Tokens whose K/V are in the cache; the rest (at least the newest token) still need a forward pass.
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        # Tokens sampled on the device but not yet known on the host (async scheduling): they count in
+        # num_tokens, so the scheduler runs them, but token_ids holds only tokens the host has seen.
+        self.num_pending = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -60,15 +63,26 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output length."""
-        return len(self.token_ids)
+        """Prompt plus output length, counting tokens still pending on the device."""
+        return len(self.token_ids) + self.num_pending
 
     def append_token(self, token_id: int) -> None:
         """Append one sampled token; its K/V will be computed in the next step."""
         self.token_ids.append(token_id)
 
+    def add_pending(self) -> None:
+        """A token was sampled on the device; its value arrives later through resolve_pending()."""
+        self.num_pending += 1
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest pending token's value has arrived."""
+        assert self.num_pending > 0, f"seq {self.seq_id} has no pending token"
+        self.num_pending -= 1
+        self.token_ids.append(token_id)
+
     def fork(self, new_seq_id: int) -> Sequence:
         """A copy of this sequence's token state under a new id (its blocks are shared by the manager)."""
+        assert not self.num_pending, "a sequence forks only when its tokens are known"
         child = Sequence(new_seq_id, self.token_ids)
         child.prompt_len = self.prompt_len
         child.num_computed_tokens = self.num_computed_tokens
@@ -78,7 +92,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, prompt={self.prompt_len}, "
-            f"computed={self.num_computed_tokens}, {self.status.name})"
+            f"computed={self.num_computed_tokens}, pending={self.num_pending}, {self.status.name})"
         )
 
 

@@ -13,7 +13,7 @@ from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.beam_search import BeamSearch, beam_outputs, step_beams
-from tinypaged.engine.model_runner import ModelRunner
+from tinypaged.engine.model_runner import ModelRunner, PendingTokens
 from tinypaged.engine.output_processor import (
     SeqState,
     check_stop,
@@ -21,7 +21,7 @@ from tinypaged.engine.output_processor import (
     logprob_entry,
     prompt_logprob_entries,
 )
-from tinypaged.engine.sampler import Sampler, SamplingRow, seq_seed
+from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, seq_seed, upload
 from tinypaged.outputs import Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -69,8 +69,39 @@ class Request:
     error: str | None = None
 
 
+@dataclass(eq=False)
+class _Sampling:
+    """One step's sampling as queued on the device, applied to its sequences once the tokens reach the host.
+
+    A deferred step (async scheduling) is applied during the next step, after that step's forward pass has
+    been queued: its sequences carry the sampled tokens as pending until then.
+    """
+
+    targets: list[tuple[Request, Sequence, int | None]]  # (request, seq, fork index or None) per sampled row
+    sampled: SampledBatch | None
+    beam_targets: list[tuple[Request, Sequence]]
+    beam_logprobs: torch.Tensor | None
+    touched: dict[str, Request]
+    deferred: bool = False
+
+    def pending_tokens(self) -> PendingTokens:
+        """Where the next step finds each sequence's token (deferred steps only)."""
+        assert self.sampled is not None
+        return PendingTokens(
+            self.sampled.token_ids, {seq.seq_id: i for i, (_, seq, _) in enumerate(self.targets)}
+        )
+
+
 class LLMEngine:
-    """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
+    """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False.
+
+    With async scheduling (on by default on a GPU) a step queues its forward pass and sampling, then applies
+    the previous step's tokens while the device works, so the host's scheduling, detokenizing and output
+    building overlap the device. Its outputs come one step later; steps whose tokens the next step's
+    scheduling or sampling needs on the host (beam search, the forks of n > 1, penalties) are applied at once.
+    A sequence preempted while its token is pending gets the token before it can be scheduled again: the
+    deferred step is applied in the same call that preempted it.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -100,6 +131,12 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        self._inflight: _Sampling | None = None  # a deferred step, applied during the next one
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -177,6 +214,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort_seq_group(request_id)
+        if not self.requests:
+            self._inflight = None  # nothing left that its tokens could go to
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -203,25 +242,39 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, move blocks, run the model, sample, append tokens, check stops.
 
-        If anything after schedule() raises, the requests of this step are aborted and StepError says which.
+        Under async scheduling the tokens appended are the previous step's (this step's stay pending on the
+        device until the next call). If anything after schedule() raises, the requests of this step (and of
+        a deferred one) are aborted and StepError says which.
         """
-        out = self.scheduler.schedule()
-        outputs = [o for o in (self._finish_ignored(rid, reason) for rid, reason in out.ignored) if o]
+        outputs: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
+        out: SchedulerOutput | None = None
         try:
-            logits = self._execute(out)
+            out = self.scheduler.schedule()
+            outputs += [o for o in (self._finish_ignored(rid, reason) for rid, reason in out.ignored) if o]
+            pending = prev.pending_tokens() if prev is not None else None
+            logits = self._execute(out, pending)
             self.scheduler.update_from_output(out)
-            if logits is not None:
-                outputs += self._process(out, logits)
+            launched = self._sample(out, logits) if logits is not None else None
+            if prev is not None:
+                outputs += self._apply(prev)
+                prev = None
+            if launched is not None and launched.deferred:
+                self._inflight = launched
+            elif launched is not None:
+                outputs += self._apply(launched)
         except Exception as e:
-            failed = self._fail_step(out)
+            failed = self._fail_step(out, prev)
             raise StepError(f"engine step failed: {type(e).__name__}: {e}", failed, outputs) from e
+        if not self.requests:
+            self._inflight = None
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def _execute(self, out: SchedulerOutput, pending: PendingTokens | None) -> torch.Tensor | None:
         """The runner's step: the logits of the rows that sample. Requests with prompt_logprobs get the logits
         of their prompt chunk from the same forward pass and add its entries."""
         want = [i for i, s in enumerate(out.scheduled) if self._wants_prompt_logprobs(s.request_id, s.seq_id)]
-        result = self.runner.execute(out, want)
+        result = self.runner.execute(out, want, pending)
         if result is None:
             return None
         for i, chunk in result.prompt_logits.items():
@@ -251,25 +304,36 @@ class LLMEngine:
         req.error = reason
         return self._output(req)
 
-    def _fail_step(self, out: SchedulerOutput) -> list[str]:
-        """Abort the requests a failed step touched: scheduled, or swapped out (their copies may be torn)."""
-        ids = dict.fromkeys(s.request_id for s in out.scheduled)
-        if out.blocks_to_swap_out:
-            ids.update(dict.fromkeys(out.preempted))
+    def _fail_step(self, out: SchedulerOutput | None, prev: _Sampling | None) -> list[str]:
+        """Abort the requests a failed step touched: scheduled, swapped out (their copies may be torn), or
+        waiting for the tokens of a deferred step that was not applied."""
+        ids: dict[str, None] = {}
+        if prev is not None:
+            ids.update(
+                dict.fromkeys(
+                    r.group.request_id for r, _, _ in prev.targets if r.group.request_id in self.requests
+                )
+            )
+        if out is not None:
+            ids.update(dict.fromkeys(s.request_id for s in out.scheduled))
+            if out.blocks_to_swap_out:
+                ids.update(dict.fromkeys(out.preempted))
         for rid in ids:
             self.requests.pop(rid, None)
             self.scheduler.abort_seq_group(rid)
         return list(ids)
 
-    def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample every row in one pass, fork parallel-sampling groups after their prompt, step beams."""
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _Sampling:
+        """Queue the sampling of every row in one pass (beam rows: their log-probabilities); defer it when
+        async scheduling is on and nothing in it needs the tokens on the host before the next step."""
         rows: list[SamplingRow] = []
         src: list[int] = []  # the logits row of each sampling row
-        targets: list[tuple[Request, Sequence, int | None]] = []  # (request, seq, fork index or None)
+        targets: list[tuple[Request, Sequence, int | None]] = []
         beam_rows: list[SamplingRow] = []
         beam_src: list[int] = []
         beam_targets: list[tuple[Request, Sequence]] = []
         touched: dict[str, Request] = {}
+        penalties = False
         for i, s in enumerate(s for s in out.scheduled if s.do_sample):
             req = self.requests.get(s.request_id)
             seq = self.scheduler.get_seq(s.seq_id)
@@ -277,53 +341,81 @@ class LLMEngine:
                 continue
             touched[s.request_id] = req
             p = req.params
+            num_outputs = seq.num_tokens - seq.prompt_len  # counting tokens pending on the device
+            penalised = has_penalty(p)
+            penalties |= penalised
             prompt_ids = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else []
-            output_ids = seq.token_ids[seq.prompt_len :]
-            banned = tuple(self.eos_ids | set(p.stop_token_ids)) if len(output_ids) < p.min_tokens else ()
+            output_ids = seq.token_ids[seq.prompt_len :] if penalised or req.beam else []
+            banned = tuple(self.eos_ids | set(p.stop_token_ids)) if num_outputs < p.min_tokens else ()
             state = req.states[seq.seq_id]
             if req.beam is not None:
-                beam_rows.append(SamplingRow(p, prompt_ids, output_ids, None, banned))
+                beam_rows.append(SamplingRow(p, prompt_ids, output_ids, None, banned, num_outputs))
                 beam_src.append(i)
                 beam_targets.append((req, seq))
-            elif p.num_seqs > 1 and not output_ids and len(req.group.seqs) == 1:
+            elif p.num_seqs > 1 and num_outputs == 0 and len(req.group.seqs) == 1:
                 # The prompt is computed: draw one first token per sequence of the request, each from its
-                # own stream; the children fork from the prompt's blocks below.
+                # own stream; the children fork from the prompt's blocks when the tokens are applied.
                 for j in range(p.num_seqs):
                     key = seq_seed(p.seed, j) if p.seed is not None else None
-                    rows.append(SamplingRow(p, prompt_ids, output_ids, key, banned))
+                    rows.append(SamplingRow(p, prompt_ids, output_ids, key, banned, num_outputs))
                     src.append(i)
                     targets.append((req, seq, j))
             else:
-                rows.append(SamplingRow(p, prompt_ids, output_ids, state.seed_key, banned))
+                rows.append(SamplingRow(p, prompt_ids, output_ids, state.seed_key, banned, num_outputs))
                 src.append(i)
                 targets.append((req, seq, None))
+        sampled = beam_lp = None
         if rows:
             need_lp = any(r.params.num_seqs > r.params.n for r in rows)
-            idx = torch.tensor(src, device=logits.device)
-            result = self.sampler(logits[idx], rows, need_logprobs=need_lp)
+            sampled = self.sampler.sample(_rows_of(logits, src), rows, need_logprobs=need_lp)
+        if beam_rows:
+            beam_lp = self.sampler.beam_logprobs(_rows_of(logits, beam_src), beam_rows)
+        deferred = (
+            self.async_scheduling
+            and sampled is not None
+            and not beam_rows
+            and not penalties
+            and all(j is None for _, _, j in targets)
+        )
+        if deferred:
+            for _, seq, _ in targets:
+                seq.add_pending()
+        return _Sampling(targets, sampled, beam_targets, beam_lp, touched, deferred)
+
+    def _apply(self, sampling: _Sampling) -> list[RequestOutput]:
+        """Append a step's tokens (forking parallel-sampling groups after their prompt, stepping beams),
+        check stops, and build the outputs of the requests it touched."""
+        if sampling.sampled is not None:
+            result = sampling.sampled.result()
+            targets = sampling.targets
             # Fork first, so every child copies its parent before the parent's first token is appended.
             seqs = [self._fork(req, seq, j) if j else seq for req, seq, j in targets]
             for row, ((req, _, _), seq) in enumerate(zip(targets, seqs, strict=True)):
+                if sampling.deferred and (
+                    self.requests.get(req.group.request_id) is not req or seq.status.is_finished
+                ):
+                    continue  # aborted or finished while this step was in flight
                 token = result.token_ids[row]
                 state = req.states[seq.seq_id]
                 if result.logprobs is not None:
                     state.cumulative_logprob += result.logprobs[row]
                     if state.logprobs is not None:
                         state.logprobs.append(logprob_entry(self.tokenizer, req.params, row, result))
-                self._append(req, seq, token)
+                self._append(req, seq, token, sampling.deferred)
                 status = check_stop(req.params, seq, state, token, self.eos_ids, self.config.max_model_len)
                 if status is not None:
                     self.scheduler.finish_seq(seq, status)
-        if beam_rows:
-            idx = torch.tensor(beam_src, device=logits.device)
-            lp = self.sampler.beam_logprobs(logits[idx], beam_rows)
-            for row, (req, seq) in enumerate(beam_targets):
+        if sampling.beam_logprobs is not None:
+            lp = sampling.beam_logprobs
+            for row, (req, seq) in enumerate(sampling.beam_targets):
                 assert req.beam is not None
                 req.beam.pending[seq.seq_id] = lp[row]
-            for req in dict.fromkeys(r for r, _ in beam_targets):
+            for req in dict.fromkeys(r for r, _ in sampling.beam_targets):
                 step_beams(req, self.scheduler, self.tokenizer, self._fork, self._append)
         outputs = []
-        for rid, req in touched.items():
+        for rid, req in sampling.touched.items():
+            if self.requests.get(rid) is not req:
+                continue  # aborted while in flight: abort_request reported it
             outputs.append(self._output(req))
             if req.group.is_finished():
                 del self.requests[rid]
@@ -341,10 +433,14 @@ class LLMEngine:
             req.states[child.seq_id] = self._new_state(req, parent.prompt_token_ids, index, key)
         return child
 
-    def _append(self, req: Request, seq: Sequence, token: int) -> None:
-        if seq.num_tokens == seq.prompt_len and seq is req.group.seqs[0]:
+    def _append(self, req: Request, seq: Sequence, token: int, pending: bool = False) -> None:
+        """Append a sampled token (`pending`: the one the sequence was already running as pending)."""
+        if len(seq.token_ids) == seq.prompt_len and seq is req.group.seqs[0]:
             self.prompt_tokens_total += seq.prompt_len
-        seq.append_token(token)
+        if pending:
+            seq.resolve_pending(token)
+        else:
+            seq.append_token(token)
         self.generation_tokens_total += 1
 
     def _output(self, req: Request) -> RequestOutput:
@@ -369,3 +465,10 @@ class LLMEngine:
             error=req.error,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The given rows of the step's logits (the whole tensor when they are all of them, in order)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[upload(rows, torch.int64, logits.device)]

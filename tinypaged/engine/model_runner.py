@@ -76,6 +76,15 @@ class ModelInput:
 
 
 @dataclass(frozen=True)
+class PendingTokens:
+    """Input tokens the host does not know yet (async scheduling): the previous step's samples, still on the
+    device, by sequence. A scheduled sequence whose token_ids lack its last new token reads it from here."""
+
+    sampled: torch.Tensor  # [N] int64 on the device
+    rows: dict[int, int]  # seq_id -> row of `sampled`
+
+
+@dataclass(frozen=True)
 class ExecuteOutput:
     """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
 
@@ -247,13 +256,15 @@ class ModelRunner:
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput, eager: bool = False) -> ModelInput:
+    def prepare(
+        self, out: SchedulerOutput, eager: bool = False, pending: PendingTokens | None = None
+    ) -> ModelInput:
         """The step's batch tensors, staged through one pinned buffer (graph buffers for decode batches,
-        unless `eager`)."""
+        unless `eager`); input tokens still pending on the device are gathered from `pending` there."""
         bs = 0 if eager else self._graph_size_for(out.scheduled)
         if bs:
-            return self._staging.stage_decode(out.scheduled, bs, self.config.max_model_len)
-        return self._staging.stage(out.scheduled)
+            return self._staging.stage_decode(out.scheduled, bs, self.config.max_model_len, pending)
+        return self._staging.stage(out.scheduled, pending)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write: in that order, so a block swapped out is read before reuse."""
@@ -264,17 +275,23 @@ class ModelRunner:
             ops.copy_blocks(self.kv_cache, mapping)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prompt_logits_of: Collection[int] = ()) -> ExecuteOutput | None:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        prompt_logits_of: Collection[int] = (),
+        pending: PendingTokens | None = None,
+    ) -> ExecuteOutput | None:
         """Perform the step's block moves and forward pass; the logits of the sampled rows and, for each
         index of `out.scheduled` in `prompt_logits_of`, of all that sequence's new tokens (such a step runs
         eagerly: a decode graph keeps only what it captured). None when nothing is scheduled.
 
-        Nothing here waits for the device: the logits come back still being computed.
+        Nothing here waits for the device: the logits come back still being computed. Input tokens missing
+        from the scheduler's token_ids are read from `pending` (the last step's samples) on the device.
         """
         self.move_blocks(out)
         if not out.scheduled:
             return None
-        inp = self.prepare(out, eager=bool(prompt_logits_of))
+        inp = self.prepare(out, eager=bool(prompt_logits_of), pending=pending)
         if inp.graph_batch_size:
             graph, hidden = self._graphs[inp.graph_batch_size]
             graph.replay()
@@ -305,7 +322,7 @@ class _Staging:
         self.max_blocks = config.max_blocks_per_seq
         seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_width = _round_up(self.max_blocks, 16)
-        size = 4 * tokens + 3 * seqs + 7 * _ALIGN + seqs * self.max_width
+        size = 4 * tokens + 5 * seqs + 9 * _ALIGN + seqs * self.max_width
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
@@ -330,6 +347,36 @@ class _Staging:
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         self._copied.record()
 
+    def _stage_pending(
+        self, at: int, scheduled: tuple[ScheduledSeq, ...], starts: list[int], pending: PendingTokens | None
+    ) -> tuple[int, int, int]:
+        """Stage, from offset `at`, where each pending input token goes (its index among the step's input
+        ids) and where it comes from (its row of `pending.sampled`); returns (offset of the sources, count,
+        end). The placeholders in the ids are zeros until `_fill_pending` runs on the device."""
+        dst: list[int] = []
+        src: list[int] = []
+        for i, s in enumerate(scheduled):
+            missing = s.num_new_tokens - len(s.token_ids)
+            if missing:
+                assert missing == 1 and pending is not None, f"seq {s.seq_id}: input tokens unknown"
+                dst.append(starts[i] + s.num_new_tokens - 1)
+                src.append(pending.rows[s.seq_id])
+        k = len(dst)
+        o_src = at + _round_up(k, _ALIGN)
+        h = self.host_np
+        h[at : at + k], h[o_src : o_src + k] = dst, src
+        return o_src, k, o_src + k
+
+    def _fill_pending(
+        self, ids: torch.Tensor, at: int, o_src: int, k: int, pending: PendingTokens | None
+    ) -> None:
+        """On the device, after the staged copy: put the pending tokens into the step's input ids."""
+        if not k:
+            return
+        assert pending is not None
+        dst, src = self.dev[at : at + k].long(), self.dev[o_src : o_src + k]
+        ids.index_copy_(0, dst, pending.sampled.index_select(0, src).to(ids.dtype))
+
     def graph_input(self, bs: int, max_seq_len: int) -> ModelInput:
         """The views a decode graph of batch size `bs` reads (captured once, refilled every step)."""
         ids, pos, slots, seq_lens = self.g_small[:, :bs]
@@ -346,7 +393,13 @@ class _Staging:
             self.g_small[3].zero_()
         return ModelInput(ids, pos, meta, slice(None), graph_batch_size=bs)
 
-    def stage_decode(self, scheduled: tuple[ScheduledSeq, ...], bs: int, max_seq_len: int) -> ModelInput:
+    def stage_decode(
+        self,
+        scheduled: tuple[ScheduledSeq, ...],
+        bs: int,
+        max_seq_len: int,
+        pending: PendingTokens | None = None,
+    ) -> ModelInput:
         """Fill the graph buffers for a decode batch padded to `bs` rows."""
         self._host_free()
         n, block = len(scheduled), self.block_size
@@ -356,7 +409,7 @@ class _Staging:
         width = 1
         for s in scheduled:
             p, table = s.num_computed_tokens, s.block_table
-            ids.append(s.token_ids[0])
+            ids.append(s.token_ids[0] if s.token_ids else 0)
             pos.append(p)
             slots.append(table[p // block] * block + p % block)
             lens.append(p + 1)
@@ -371,15 +424,18 @@ class _Staging:
         bt.fill(0)
         for i, s in enumerate(scheduled):
             bt[i, : len(s.block_table)] = s.block_table
-        end = 4 * mb + n * width
+        bt_end = 4 * mb + n * width
+        o_dst = _round_up(bt_end, _ALIGN)
+        o_src, k, end = self._stage_pending(o_dst, scheduled, list(range(n)), pending)
         self._send(end)
         self.g_small.view(-1).copy_(self.dev[: 4 * mb])
-        self.g_bt[:n, :width].copy_(self.dev[4 * mb : end].view(n, width))
+        self.g_bt[:n, :width].copy_(self.dev[4 * mb : bt_end].view(n, width))
         ids_t, pos_t, slots_t, lens_t = self.g_small[:, :bs]
+        self._fill_pending(ids_t, o_dst, o_src, k, pending)
         meta = AttentionMetadata(slots_t, self.g_bt[:bs], lens_t, self.g_qsl[: bs + 1], 1, max_seq_len)
         return ModelInput(ids_t, pos_t, meta, slice(0, n), graph_batch_size=bs)
 
-    def stage(self, scheduled: tuple[ScheduledSeq, ...]) -> ModelInput:
+    def stage(self, scheduled: tuple[ScheduledSeq, ...], pending: PendingTokens | None = None) -> ModelInput:
         """Pack an arbitrary (prefill, mixed or decode) batch and send it in one copy."""
         self._host_free()
         block = self.block_size
@@ -395,6 +451,7 @@ class _Staging:
         for s in scheduled:
             first, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_table
             ids.extend(s.token_ids)
+            ids.extend([0] * (n - len(s.token_ids)))  # pending on the device: filled in below
             pos.extend(range(first, first + n))
             p, end = first, first + n
             while p < end:  # one run of consecutive slots per block touched
@@ -428,8 +485,11 @@ class _Staging:
         bt.fill(0)
         for i, s in enumerate(scheduled):
             bt[i, : len(s.block_table)] = s.block_table
-        self._send(end)
+        o_dst = _round_up(end, _ALIGN)
+        o_src, k, end_all = self._stage_pending(o_dst, scheduled, starts, pending)
+        self._send(end_all)
         d = self.dev
+        self._fill_pending(d[0:n_tok], o_dst, o_src, k, pending)
         meta = AttentionMetadata(
             slot_mapping=d[o_slot : o_slot + n_tok],
             block_tables=d[o_bt:end].view(n_seq, width),

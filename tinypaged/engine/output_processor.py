@@ -79,7 +79,7 @@ def check_stop(
             return SequenceStatus.FINISHED_STOPPED
     if params.max_tokens is not None and n_out >= params.max_tokens:
         return _end(state, SequenceStatus.FINISHED_LENGTH)
-    if seq.num_tokens >= max_model_len:
+    if len(seq.token_ids) >= max_model_len:
         return _end(state, SequenceStatus.FINISHED_LENGTH)
     return None
 

@@ -34,6 +34,14 @@ class SamplingRow:
     output_ids: list[int]
     seed_key: int | None = None  # the sequence's own random stream (seq_seed) when the request has a seed
     banned_ids: tuple[int, ...] = ()  # e.g. EOS while fewer than min_tokens have been generated
+    # Tokens generated so far, counting any still pending on the device (async scheduling); None: the length
+    # of output_ids (which the engine fills only when penalties need it).
+    num_outputs: int | None = None
+
+    @property
+    def generated(self) -> int:
+        """How many tokens the sequence has generated before this draw."""
+        return len(self.output_ids) if self.num_outputs is None else self.num_outputs
 
 
 @dataclass(frozen=True)
@@ -47,21 +55,64 @@ class SamplerOutput:
     ranks: list[int] | None  # rank of the sampled token in the distribution (1 = most likely)
 
 
+@dataclass(frozen=True)
+class SampledBatch:
+    """A sampling pass as launched: the token ids stay on the device (the next step can read them there)
+    while they and any logprobs copy to the host; `result()` waits for the copy alone, not for later work."""
+
+    token_ids: torch.Tensor  # [N] int64, on the logits' device
+    _host: tuple[torch.Tensor | None, ...]  # ids, chosen logprobs, top ids, top logprobs, ranks (host copies)
+    _copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU: they are done)
+
+    def result(self) -> SamplerOutput:
+        """The sampled tokens (and logprobs) as Python lists."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        ids, chosen, top_ids, top_lps, ranks = self._host
+        if chosen is None:
+            return SamplerOutput(ids.tolist(), None, None, None, None)
+        n = len(ids)
+        return SamplerOutput(
+            ids.tolist(),
+            chosen.tolist(),
+            top_ids.tolist() if top_ids is not None else [[] for _ in range(n)],
+            top_lps.tolist() if top_lps is not None else [[] for _ in range(n)],
+            ranks.tolist() if ranks is not None else None,
+        )
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting: through pinned memory on a GPU (a pageable copy
+    would synchronise with the work already queued)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class Sampler:
-    """Turns the logits of the rows being sampled into next tokens."""
+    """Turns the logits of the rows being sampled into next tokens.
+
+    Nothing here waits for the device except top-p over a distribution flatter than its candidate cap (a
+    data-dependent fallback), so a step's sampling can be queued behind its forward pass.
+    """
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], need_logprobs: bool = False
     ) -> SamplerOutput:
         """Sample one token per row; logprobs when any row asks for them (or need_logprobs)."""
+        return self.sample(logits, rows, need_logprobs).result()
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], need_logprobs: bool = False
+    ) -> SampledBatch:
+        """Queue the sampling of one token per row and the copy of its results to the host."""
         raw = logits
         logits = self.process(logits, rows)
         device = logits.device
         params = [r.params for r in rows]
-        greedy = torch.tensor([p.greedy for p in params], device=device)
         next_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        if not all(p.greedy for p in params):
+            temps = upload([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
             probs = torch.softmax(logits / temps[:, None], dim=-1)
             probs = self._filter(probs, params)
             # Inverse-CDF draw: one uniform per row (no [N, vocab] noise); a zero-probability token has a flat
@@ -69,35 +120,45 @@ class Sampler:
             cdf = probs.cumsum(dim=-1)
             u = _uniforms(rows, device)[:, None] * cdf[:, -1:]
             sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
-            next_ids = torch.where(greedy, next_ids, sampled)
+            if any(p.greedy for p in params):
+                greedy = upload([p.greedy for p in params], torch.bool, device)
+                next_ids = torch.where(greedy, next_ids, sampled)
+            else:
+                next_ids = sampled
 
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if k is None and not need_logprobs:
-            return SamplerOutput(next_ids.tolist(), None, None, None, None)
-        k = k or 0
-        logp = torch.log_softmax(raw.float(), dim=-1)
-        chosen = logp.gather(1, next_ids[:, None])
-        ranks = (logp > chosen).sum(dim=-1) + 1
-        n = len(rows)
-        top = logp.topk(k, dim=-1) if k > 0 else None
-        return SamplerOutput(
-            next_ids.tolist(),
-            chosen[:, 0].tolist(),
-            top.indices.tolist() if top is not None else [[] for _ in range(n)],
-            top.values.tolist() if top is not None else [[] for _ in range(n)],
-            ranks.tolist(),
-        )
+        tensors: tuple[torch.Tensor | None, ...] = (next_ids, None, None, None, None)
+        if k is not None or need_logprobs:
+            k = k or 0
+            logp = torch.log_softmax(raw.float(), dim=-1)
+            chosen = logp.gather(1, next_ids[:, None])
+            ranks = (logp > chosen).sum(dim=-1) + 1
+            top = logp.topk(k, dim=-1) if k > 0 else None
+            tensors = (
+                next_ids,
+                chosen[:, 0],
+                top.indices if top is not None else None,
+                top.values if top is not None else None,
+                ranks,
+            )
+        if device.type != "cuda":
+            return SampledBatch(next_ids, tensors, None)
+        host = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in tensors)
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledBatch(next_ids, host, copied)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The logits with penalties and banned tokens applied (a new float32 tensor)."""
         logits = logits.float().clone()
-        pen = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        pen = [i for i, r in enumerate(rows) if has_penalty(r.params)]
         if pen:
-            idx = torch.tensor(pen, device=logits.device)
+            idx = upload(pen, torch.int64, logits.device)
             logits[idx] = self._apply_penalties(logits[idx], [rows[i] for i in pen])
-        for i, r in enumerate(rows):
-            if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+        if banned:
+            at = upload(banned, torch.int64, logits.device)
+            logits[at[:, 0], at[:, 1]] = float("-inf")
         return logits
 
     def beam_logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -114,18 +175,18 @@ class Sampler:
             width = max((len(s) for s in seqs), default=0)
             out = torch.zeros(n, vocab + 1, device=device)
             if width:
-                ids = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], device=device)
+                ids = upload([s + [vocab] * (width - len(s)) for s in seqs], torch.int64, device)
                 out.scatter_add_(1, ids, torch.ones_like(ids, dtype=out.dtype))
             return out[:, :vocab]  # column `vocab` collected the padding
 
         out_counts = counts([r.output_ids for r in rows])
         prompt_seen = counts([r.prompt_ids for r in rows]) > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+        rep = upload([r.params.repetition_penalty for r in rows], torch.float32, device)[:, None]
         seen = prompt_seen | (out_counts > 0)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+        freq = upload([r.params.frequency_penalty for r in rows], torch.float32, device)[:, None]
+        pres = upload([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
         return logits - freq * out_counts - pres * (out_counts > 0)
 
     @staticmethod
@@ -137,12 +198,13 @@ class Sampler:
         """
         device = probs.device
         n, vocab = probs.shape
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        use_k, use_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any())
-        if not (use_k or use_p or bool((min_p > 0.0).any())):
+        use_k = any(0 < p.top_k < vocab for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if not (use_k or use_p or any(p.min_p > 0.0 for p in params)):
             return probs
+        top_k = upload([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
+        top_p = upload([p.top_p for p in params], torch.float32, device)
+        min_p = upload([p.min_p for p in params], torch.float32, device)
         top = probs.max(dim=-1, keepdim=True).values
         thresh = min_p[:, None] * top
         if use_k or use_p:
@@ -181,7 +243,8 @@ def _cutoff(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab:
     return (keep.sum(dim=-1) - 1).clamp(min=0)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether the request's sampling depends on the tokens generated so far (beyond their number)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -191,8 +254,11 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     A seeded row's draw depends only on its sequence's stream key and how many tokens it has generated, so a
     request repeats exactly whatever else is in the batch, on any device.
     """
-    u = torch.rand(len(rows), dtype=torch.float64)
-    for i, r in enumerate(rows):
-        if r.seed_key is not None:
-            u[i] = ((mix64(r.seed_key + (len(r.output_ids) + 1) * _GAMMA) >> 11) + 0.5) / (1 << 53)
-    return u.to(device=device, dtype=torch.float32)
+    u = torch.rand(len(rows), dtype=torch.float64, device=device)
+    seeded = [(i, r.seed_key) for i, r in enumerate(rows) if r.seed_key is not None]
+    if seeded:
+        draws = [
+            ((mix64(key + (rows[i].generated + 1) * _GAMMA) >> 11) + 0.5) / (1 << 53) for i, key in seeded
+        ]
+        u[upload([i for i, _ in seeded], torch.int64, device)] = upload(draws, torch.float64, device)
+    return u.float()
