@@ -182,19 +182,19 @@ def random_prompt(rng: np.random.Generator, length: int, vocab: int) -> dict[str
 
 
 def _timed_request(llm: LLM, prompt: dict[str, list[int]], max_tokens: int) -> list[float]:
-    """Run one request alone through the engine's steps; the wall time at the end of each step, from 0."""
+    """Run one request alone through the engine's steps; the wall time, from 0, at which each output token
+    reached the caller (under async scheduling a step returns the previous step's token)."""
     engine = llm.engine
-    engine.add_request(
-        f"lat-{time.monotonic_ns()}",
-        prompt,
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-    )
+    rid = f"lat-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     _sync()
     t0 = time.perf_counter()
-    ends = []
+    ends: list[float] = []
     while engine.has_unfinished_requests():
-        engine.step()
-        ends.append(time.perf_counter() - t0)
+        for out in engine.step():
+            if out.request_id == rid:
+                now = time.perf_counter() - t0
+                ends += [now] * (len(out.outputs[0].token_ids) - len(ends))
     return ends
 
 
@@ -214,11 +214,18 @@ def run_latency(
         "roofline_decode_tokens_per_s": roofline_tps,
         "step_weight_bytes": step_weight_bytes(cfg),
     }
-    graphs_before = runner.use_cuda_graphs
-    for mode, graphs in (("graphs", True), ("eager", False)):
+    graphs_before, async_before = runner.use_cuda_graphs, llm.engine.async_scheduling
+    # graphs: the default engine (CUDA graphs, async scheduling); graphs_sync: the host work of each step not
+    # overlapped; eager: no graphs (async scheduling on).
+    for mode, graphs, overlap in (
+        ("graphs", True, True),
+        ("graphs_sync", True, False),
+        ("eager", False, True),
+    ):
         if graphs and not runner._graphs:
             continue
         runner.use_cuda_graphs = graphs
+        llm.engine.async_scheduling = overlap
         _timed_request(llm, random_prompt(rng, prompt_len, cfg.vocab_size), 8)  # warm-up
         runs = []
         for _ in range(2):
@@ -238,7 +245,7 @@ def run_latency(
             "host_ms_per_step": steps["host_ms_per_step"],
             "execute_launch_ms_per_step": steps["launch_ms_per_step"],
         }
-    runner.use_cuda_graphs = graphs_before
+    runner.use_cuda_graphs, llm.engine.async_scheduling = graphs_before, async_before
     ttfts = []
     for _ in range(5):
         ends = _timed_request(llm, random_prompt(rng, ttft_len, cfg.vocab_size), 1)
@@ -490,7 +497,7 @@ def main() -> None:
         result["check_hf"] = hf_checks(args.model, state)
     print(json.dumps(result, indent=1))
     lat = result["latency"]
-    for m in ("graphs", "eager"):
+    for m in ("graphs", "graphs_sync", "eager"):
         if m in lat:
             print(
                 f"batch-1 decode {m}: {lat[m]['decode_tokens_per_s']:.1f} tok/s "

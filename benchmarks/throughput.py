@@ -102,8 +102,17 @@ def roofline(cfg: ModelConfig, work: list[tuple[list[int], int]]) -> dict[str, f
     }
 
 
-def run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_ours(llm: LLM, work: list[tuple[list[int], int]], async_scheduling: bool = True) -> dict[str, Any]:
     """W1 through LLM.generate, timed end to end (all requests submitted at once)."""
+    engine = llm.engine
+    before, engine.async_scheduling = engine.async_scheduling, async_scheduling
+    try:
+        return _run_ours(llm, work) | {"async_scheduling": async_scheduling}
+    finally:
+        engine.async_scheduling = before
+
+
+def _run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
     # Warm-up on a few short requests: compiles the eager kernels' shapes outside the timed run.
@@ -237,6 +246,12 @@ def print_table(res: dict[str, Any]) -> None:
         f"| tinypaged | {ours['output_tokens_per_s']:.0f} | {ours['total_tokens_per_s']:.0f} | "
         f"{ours['elapsed_s']:.2f} |",
     ]
+    sync = res.get("ours_sync")
+    if isinstance(sync, dict) and "elapsed_s" in sync:
+        lines.append(
+            f"| tinypaged, async scheduling off | {sync['output_tokens_per_s']:.0f} | "
+            f"{sync['total_tokens_per_s']:.0f} | {sync['elapsed_s']:.2f} |"
+        )
     for key, name in (
         ("hf_static", "HF generate() static batch"),
         ("hf_generate_batch", "HF generate_batch()"),
@@ -277,7 +292,7 @@ def print_table(res: dict[str, Any]) -> None:
     for ph in ("mixed", "decode"):
         s = st[ph]
         lines.append(
-            f"{ph} steps: {s['steps']}, wall {s['wall_s']:.2f} s, runner GPU {s['runner_gpu_s']:.2f} s "
+            f"{ph} steps (async): {s['steps']}, wall {s['wall_s']:.2f} s, runner GPU {s['runner_gpu_s']:.2f} s "
             f"({s['gpu_busy_fraction']:.0%} busy), host {s['host_ms_per_step']:.2f} ms/step, "
             f"mean batch {s['mean_batch_seqs']:.0f} seqs / {s['mean_batch_tokens']:.0f} tokens"
         )
@@ -289,7 +304,7 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{m} {lat[m]['decode_tokens_per_s']:.1f} tok/s "
                 f"({lat[m]['fraction_of_roofline']:.0%}; per step "
                 f"GPU {lat[m]['runner_gpu_ms_per_step']:.2f} ms, host {lat[m]['host_ms_per_step']:.2f} ms)"
-                for m in ("graphs", "eager")
+                for m in ("graphs", "graphs_sync", "eager")
                 if m in lat
             )
             + f"; TTFT {lat['ttft']['prompt_len']} tokens: {lat['ttft']['median_ms']:.1f} ms "
@@ -353,6 +368,11 @@ def main() -> None:
     ap.add_argument("--latency", action="store_true", help="also run benchmarks/latency.py's measurements")
     ap.add_argument("--check", action="store_true", help="also run the GPU numerics checks")
     ap.add_argument("--profile", action="store_true", help="profile a mixed and a decode window of W1")
+    ap.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also run W1 with async scheduling off, on the same engine",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -416,6 +436,8 @@ def main() -> None:
     if args.check:
         section("check", lambda: _split(run_checks(llm), state))
     section("ours", lambda: run_ours(llm, work))
+    if args.compare_sync:
+        section("ours_sync", lambda: run_ours(llm, work, async_scheduling=False))
     print(json.dumps({k: res[k] for k in ("engine", "roofline", "ours")}, indent=1, default=str), flush=True)
     if args.latency:
         section("latency", lambda: run_latency(llm))
