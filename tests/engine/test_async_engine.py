@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import uvloop
@@ -131,4 +132,29 @@ def test_abort_error_and_bad_input(aengine: AsyncEngine, monkeypatch) -> None:
                 pass
 
     uvloop.run(main())
+    _clean(aengine)
+
+
+def test_slow_consumer_gets_merged_outputs(aengine: AsyncEngine, llm: LLM) -> None:
+    """A stream read slower than the engine steps skips the cumulative outputs it was too late for: fewer
+    outputs than tokens, the same final result, and the text of every output extends the previous one."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = llm.generate(["Story number 7: once"], params)[0]
+
+    async def main() -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        async for out in aengine.generate("Story number 7: once", params, "slow"):
+            outs.append(out)
+            await asyncio.sleep(0.4)  # several steps of the default model on the CPU
+        await aengine.shutdown()
+        return outs
+
+    outs = uvloop.run(main())
+    final = outs[-1]
+    assert final.finished and final.outputs[0].token_ids == want.outputs[0].token_ids
+    assert final.outputs[0].text == want.outputs[0].text
+    assert 1 < len(outs) < len(want.outputs[0].token_ids)
+    for before, after in itertools.pairwise(outs):
+        assert after.outputs[0].text.startswith(before.outputs[0].text)
+        assert len(after.outputs[0].token_ids) > len(before.outputs[0].token_ids)
     _clean(aengine)

@@ -1,9 +1,9 @@
-"""AsyncEngine: the LLMEngine driven by one asyncio task, each request streamed through its own queue.
+"""AsyncEngine: the LLMEngine driven by one asyncio task, each request streamed through its own slot.
 
 The event loop owns all engine mutation between steps: `generate()` and `abort()` only queue an operation
 and wake the loop task, which applies the queued adds/aborts, then runs `LLMEngine.step()` in a single worker
 thread (so the event loop keeps accepting and streaming while the model computes) and hands each
-RequestOutput to its request's queue. A step never races with an add or an abort.
+RequestOutput to its request's stream slot. A step never races with an add or an abort.
 """
 
 from __future__ import annotations
@@ -26,6 +26,33 @@ logger = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 
 
+class _Latest:
+    """A request's stream slot: the newest cumulative output (or the error that ended it) not yet read.
+
+    Outputs are cumulative, so a newer one replaces an unread older one: a client slower than the engine
+    gets one chunk carrying several tokens (as vLLM merges a lagging stream's outputs), and a stalled client
+    holds one snapshot, not one per step.
+    """
+
+    def __init__(self) -> None:
+        self._item: _Item | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: _Item) -> None:
+        """Offer the newest output or an error; an unread finished output or error is never replaced."""
+        if self._item is None or (isinstance(self._item, RequestOutput) and not self._item.finished):
+            self._item = item
+            self._ready.set()
+
+    async def get(self) -> _Item:
+        """Wait for, and take, the newest item."""
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        assert item is not None
+        return item
+
+
 class AsyncEngine:
     """Async front of the engine: `await start()`, `async for out in generate(...)`, `await shutdown()`."""
 
@@ -33,7 +60,7 @@ class AsyncEngine:
         self.config = config
         # An existing LLMEngine may be passed in (tests share one model load); it must be idle.
         self.engine = engine if engine is not None else LLMEngine(config)
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._streams: dict[str, _Latest] = {}
         # ("add", request_id, prompt, params) or ("abort", request_id), applied in order between steps.
         self._ops: list[tuple] = []
         self._wake: asyncio.Event | None = None
@@ -98,7 +125,7 @@ class AsyncEngine:
             await self._task
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
-        self._fail(list(self._queues), EngineError("the engine was shut down"))
+        self._fail(list(self._streams), EngineError("the engine was shut down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -107,7 +134,8 @@ class AsyncEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's cumulative RequestOutput after each step it advanced in; the last is finished.
+        """Stream the request's cumulative RequestOutput after each step it advanced in (the newest only, when
+        several are waiting for a slow consumer); the last is finished.
 
         A bad prompt or bad params raise ValueError before anything is queued. Closing or cancelling the
         iterator (a client gone) aborts the request and frees its blocks before the next step. A failure
@@ -120,17 +148,17 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self.engine.check_params(params)
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.engine.tokenize_prompt(prompt)
         await self.start()
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._queues[request_id] = queue
+        slot = _Latest()
+        self._streams[request_id] = slot
         self._submit(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params))
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await slot.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -139,14 +167,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._queues.get(request_id) is queue:
-                del self._queues[request_id]
+            if self._streams.get(request_id) is slot:
+                del self._streams[request_id]
             if not finished:
                 self._submit(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
-        if request_id in self._queues:
+        if request_id in self._streams:
             self._submit(("abort", request_id))
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -185,7 +213,7 @@ class AsyncEngine:
                     engine.abort_request(rid)
                 except Exception:  # noqa: BLE001 - keep failing the rest
                     pass
-            self._fail(list(self._queues), EngineError(f"the engine loop stopped: {self._dead}"))
+            self._fail(list(self._streams), EngineError(f"the engine loop stopped: {self._dead}"))
             if not isinstance(e, Exception):
                 raise
 
@@ -205,15 +233,15 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is None:
+            slot = self._streams.get(out.request_id)
+            if slot is None:
                 continue  # its client is gone; the abort is queued
-            queue.put_nowait(out)
+            slot.put(out)
             if out.finished:
-                del self._queues[out.request_id]
+                del self._streams[out.request_id]
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for rid in request_ids:
-            queue = self._queues.pop(rid, None)
-            if queue is not None:
-                queue.put_nowait(error)
+            slot = self._streams.pop(rid, None)
+            if slot is not None:
+                slot.put(error)
