@@ -204,7 +204,11 @@ class ModelRunner:
         kv = self._allocate(1, dev).zero_()
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((seqs, -(-max(lens) // self.block_size)), dtype=torch.int32, device=dev),
+            # Rows padded to 16 entries as every staged step's are: Triton specialises kernels on strides
+            # divisible by 16, so this pass compiles the prefill variant the steps use (not one used only here).
+            block_tables=torch.zeros(
+                (seqs, _round_up(-(-max(lens) // self.block_size), 16)), dtype=torch.int32, device=dev
+            ),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(lens),
