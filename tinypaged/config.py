@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -10,6 +11,9 @@ from typing import Any, Literal
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -37,6 +41,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    sliding_window: int | None = None  # Mistral v0.1: each token attends to this many tokens at most
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -93,6 +98,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"bad config.json in {path}: {type(e).__name__}: {e}") from e
@@ -148,12 +154,20 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        limit, window = self.model.max_position_embeddings, self.model.sliding_window
+        # The attention here is over the whole context, which equals a sliding-window model's attention only
+        # while the context fits in the window: such a model is served up to its window.
+        windowed = window is not None and window < limit
+        if windowed:
+            limit = window
         if self.max_model_len <= 0:
-            object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
-        elif self.max_model_len > self.model.max_position_embeddings:
+            if windowed:
+                logger.warning("max_model_len capped at the model's sliding window (%d tokens)", window)
+            object.__setattr__(self, "max_model_len", limit)
+        elif self.max_model_len > limit:
+            what = "sliding window" if windowed else "context"
             raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's context "
-                f"({self.model.max_position_embeddings} tokens)"
+                f"max_model_len {self.max_model_len} exceeds the model's {what} ({limit} tokens)"
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
