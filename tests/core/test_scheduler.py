@@ -280,6 +280,26 @@ def test_fork_shares_blocks_and_the_copy_goes_to_the_writer() -> None:
     assert_all_free(sched)
 
 
+def test_drop_seq_frees_its_blocks_and_leaves_the_group() -> None:
+    sched, shadow = make()
+    parent = add(sched, "p", 6, 0)
+    run_step(sched, shadow)
+    child = parent.fork(next(_ids))
+    sched.fork_seq(parent, child)
+    free_before_fork = sched.kv.num_free_gpu_blocks
+    run_step(sched, shadow)  # both write their next token: the shared last block is copied for one of them
+    sched.drop_seq(child)
+    group = sched.get_seq_group("p")
+    assert group is not None and group.seqs == [parent] and sched.get_seq(child.seq_id) is None
+    assert child.status == SequenceStatus.FINISHED_ABORTED
+    assert sched.kv.num_free_gpu_blocks == free_before_fork  # the copy went back
+    sched.kv.check_integrity()
+    out = run_step(sched, shadow)
+    assert [s.seq_id for s in out.scheduled] == [parent.seq_id]
+    sched.finish_seq(parent, SequenceStatus.FINISHED_STOPPED)
+    assert_all_free(sched)
+
+
 def test_prefix_caching_skips_computed_blocks() -> None:
     sched, shadow = make(caching=True)
     first = add(sched, "a", list(range(10)), 0)

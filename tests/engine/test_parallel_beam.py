@@ -117,12 +117,15 @@ def test_beams_share_blocks_and_free_them(llm: LLM) -> None:
     prompt = list(range(2000, 2000 + 3 * bs))
     params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("beam", {"prompt_token_ids": prompt}, params)
-    peak_used = 0
+    group = engine.requests["beam"].group
+    peak_used = peak_seqs = 0
     while engine.has_unfinished_requests():
         engine.step()
         used = engine.kv.num_gpu_blocks - engine.kv.num_free_gpu_blocks
         peak_used = max(peak_used, used)
+        peak_seqs = max(peak_seqs, len(group.seqs))
         engine.kv.check_integrity()
+    assert peak_seqs <= 4  # beams left behind leave the group (10 steps fork far more than 4)
     # Four beams of 3 prompt blocks + 1 generated block each, the prompt's blocks shared: 3 + 4 at most.
     assert peak_used <= 3 + 4
     _idle_and_clean(engine)

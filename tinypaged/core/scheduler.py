@@ -96,6 +96,18 @@ class Scheduler:
         if entry[1].is_finished():
             self._drop_group(entry[1])
 
+    def drop_seq(self, seq: Sequence) -> None:
+        """Finish a sequence that nothing will read again (a beam the search left behind) and forget it: its
+        blocks are freed and it leaves its group, which keeps its other sequences."""
+        entry = self._seqs.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        group = entry[1]
+        if not seq.status.is_finished:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        group.seqs.remove(seq)
+        assert group.seqs, "a group keeps at least one sequence"
+
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         """Add child to parent's group, sharing every block of the parent (ref counts + 1)."""
         group = self._seqs[parent.seq_id][1]

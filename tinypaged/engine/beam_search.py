@@ -173,10 +173,14 @@ def step_beams(
         state.logprobs = lps
     beam.beams = [seq.seq_id for seq, _, _ in plan]
     for s in live:
-        if s.seq_id not in used:
-            scheduler.finish_seq(
-                s, SequenceStatus.FINISHED_STOPPED if beam.done else SequenceStatus.FINISHED_ABORTED
-            )
+        if s.seq_id in used:
+            continue
+        if beam.done:
+            scheduler.finish_seq(s, SequenceStatus.FINISHED_STOPPED)
+        else:
+            # Left behind for good: the outputs come from the live beams and the finished hypotheses.
+            scheduler.drop_seq(s)
+            del states[s.seq_id]
 
 
 def beam_outputs(tokenizer: Tokenizer, req: Request) -> list[CompletionOutput]:
