@@ -258,12 +258,18 @@ def test_abort_frees_everything(where: str) -> None:
     assert_all_free(sched)
 
 
-def test_fork_shares_blocks_and_the_copy_goes_to_the_writer() -> None:
+def forked() -> tuple[Scheduler, ShadowCache, Sequence, Sequence]:
+    """A 6-token prompt computed, then forked: parent and child share both its blocks."""
     sched, shadow = make()
     parent = add(sched, "p", 6, 0)
     run_step(sched, shadow)
     child = parent.fork(next(_ids))
     sched.fork_seq(parent, child)
+    return sched, shadow, parent, child
+
+
+def test_fork_shares_blocks_and_the_copy_goes_to_the_writer() -> None:
+    sched, shadow, parent, child = forked()
     assert sched.kv.get_block_table(child.seq_id) == sched.kv.get_block_table(parent.seq_id)
     child.token_ids[-1] = 8  # the child sampled another token
     out = run_step(sched, shadow)  # run_step checks each sequence reads its own prefix
@@ -281,11 +287,7 @@ def test_fork_shares_blocks_and_the_copy_goes_to_the_writer() -> None:
 
 
 def test_drop_seq_frees_its_blocks_and_leaves_the_group() -> None:
-    sched, shadow = make()
-    parent = add(sched, "p", 6, 0)
-    run_step(sched, shadow)
-    child = parent.fork(next(_ids))
-    sched.fork_seq(parent, child)
+    sched, shadow, parent, child = forked()
     free_before_fork = sched.kv.num_free_gpu_blocks
     run_step(sched, shadow)  # both write their next token: the shared last block is copied for one of them
     sched.drop_seq(child)
