@@ -288,13 +288,13 @@ def test_fork_shares_blocks_and_the_copy_goes_to_the_writer() -> None:
 
 def test_drop_seq_frees_its_blocks_and_leaves_the_group() -> None:
     sched, shadow, parent, child = forked()
-    free_before_fork = sched.kv.num_free_gpu_blocks
+    free_before_copy = sched.kv.num_free_gpu_blocks
     run_step(sched, shadow)  # both write their next token: the shared last block is copied for one of them
     sched.drop_seq(child)
     group = sched.get_seq_group("p")
     assert group is not None and group.seqs == [parent] and sched.get_seq(child.seq_id) is None
     assert child.status == SequenceStatus.FINISHED_ABORTED
-    assert sched.kv.num_free_gpu_blocks == free_before_fork  # the copy went back
+    assert sched.kv.num_free_gpu_blocks == free_before_copy  # the copy went back
     sched.kv.check_integrity()
     out = run_step(sched, shadow)
     assert [s.seq_id for s in out.scheduled] == [parent.seq_id]
