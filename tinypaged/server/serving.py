@@ -201,7 +201,8 @@ class OpenAIServing:
         try:
             async for out in gen:
                 now = time.monotonic()
-                n = len(out.outputs[0].token_ids) if out.outputs else 0
+                # The request's steps so far: its longest output (with n > 1, output 0 may stop first).
+                n = max((len(o.token_ids) for o in out.outputs), default=0)
                 if n > seen:
                     if seen == 0:
                         self.metrics.ttft.observe(now - start)
