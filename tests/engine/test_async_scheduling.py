@@ -24,7 +24,8 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40))) for _ in range(n)]
 
 
-PROMPTS = _prompts(20, 1)
+# A shared opening of two full blocks or so, for the prefix-caching case.
+PROMPTS = [" ".join(WORDS * 2) + " " + p for p in _prompts(20, 1)]
 # One of each kind, cycled over the prompts; every random draw is seeded, so outputs are reproducible.
 KINDS = [
     SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
@@ -81,8 +82,9 @@ def reference(model_dir: Path) -> list:
         {"num_gpu_blocks_override": 20, "preemption_mode": "recompute"},
         {"num_gpu_blocks_override": 20, "preemption_mode": "swap", "swap_space": 0.5},
         {"max_num_batched_tokens": 24, "max_num_seqs": 6},
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 64},
     ],
-    ids=["roomy", "recompute", "swap", "chunked"],
+    ids=["roomy", "recompute", "swap", "chunked", "prefix-caching"],
 )
 def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict) -> None:
     llm = LLM(model=model_dir, async_scheduling=True, **kwargs)
@@ -107,6 +109,8 @@ def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict
     assert deferred > 0 and at_once > 0  # beam search and penalties keep some steps synchronous
     if "preemption_mode" in kwargs:
         assert sched.num_preemptions > 0
+    if kwargs.get("enable_prefix_caching"):
+        assert llm.engine.kv.num_prefix_hit_blocks > 0  # the prompts share their first words
     _assert_clean(llm.engine)
 
 
