@@ -38,6 +38,11 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+def _table_width(num_blocks: int) -> int:
+    """Columns of a step's block tables: the longest table's blocks, padded to 16 (see _ALIGN)."""
+    return _round_up(max(num_blocks, 1), 16)
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' is CUDA when there is a GPU, else the CPU."""
     if name == "auto":
@@ -204,10 +209,9 @@ class ModelRunner:
         kv = self._allocate(1, dev).zero_()
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int32, device=dev),
-            # Rows padded to 16 entries as every staged step's are: Triton specialises kernels on strides
-            # divisible by 16, so this pass compiles the prefill variant the steps use (not one used only here).
+            # As wide as a step's would be, so that this pass compiles the prefill variant the steps use.
             block_tables=torch.zeros(
-                (seqs, _round_up(-(-max(lens) // self.block_size), 16)), dtype=torch.int32, device=dev
+                (seqs, _table_width(-(-max(lens) // self.block_size))), dtype=torch.int32, device=dev
             ),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -418,7 +422,7 @@ class _Staging:
             slots.append(table[p // block] * block + p % block)
             lens.append(p + 1)
             width = max(width, len(table))
-        width = _round_up(width, 16)
+        width = _table_width(width)
         h[0:n], h[mb : mb + n], h[2 * mb : 2 * mb + n], h[3 * mb : 3 * mb + n] = ids, pos, slots, lens
         h[n:bs] = 0
         h[mb + n : mb + bs] = 0
@@ -470,7 +474,7 @@ class _Staging:
                 samples.append(starts[-1] - 1)
             width = max(width, len(table))
         n_samp = len(samples)
-        width = _round_up(width, 16)
+        width = _table_width(width)
         o_pos = _round_up(n_tok, _ALIGN)
         o_slot = 2 * o_pos
         o_samp = 3 * o_pos
