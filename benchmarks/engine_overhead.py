@@ -62,38 +62,25 @@ def measure(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> dic
         engine.step()  # prefill (in chunks) until every request decodes
     acc: dict[str, float] = defaultdict(float)
     runner, sched, model = engine.runner, engine.scheduler, engine.runner.model
-    saved = (
-        sched.schedule,
-        runner.prepare,
-        runner.move_blocks,
-        model.forward,
-        model.compute_logits,
-        engine.sampler,
-        engine._process,
-        sched.update_from_output,
-    )
-    sched.schedule = timed(sched.schedule, "schedule", acc)
-    runner.prepare = timed(runner.prepare, "prepare", acc)
-    runner.move_blocks = timed(runner.move_blocks, "prepare", acc)
-    model.forward = timed(model.forward, "forward", acc)
-    model.compute_logits = timed(model.compute_logits, "forward", acc)
-    engine.sampler = timed(engine.sampler, "sample", acc)  # type: ignore[assignment]
-    engine._process = timed(engine._process, "process", acc)  # type: ignore[method-assign]
-    sched.update_from_output = timed(sched.update_from_output, "update", acc)
+    parts = [
+        (sched, "schedule", "schedule"),
+        (runner, "prepare", "prepare"),
+        (runner, "move_blocks", "prepare"),
+        (model, "forward", "forward"),
+        (model, "compute_logits", "forward"),
+        (engine.sampler, "sample", "sample"),
+        (engine, "_sample", "process"),  # builds the sampling rows, then calls the sampler
+        (engine, "_apply", "process"),
+        (sched, "update_from_output", "update"),
+    ]
+    for obj, attr, name in parts:
+        setattr(obj, attr, timed(getattr(obj, attr), name, acc))
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - t0
-    (
-        sched.schedule,
-        runner.prepare,
-        runner.move_blocks,
-        model.forward,
-        model.compute_logits,
-        engine.sampler,
-        engine._process,
-        sched.update_from_output,
-    ) = saved
+    for obj, attr, _ in parts:
+        delattr(obj, attr)  # the class's method again
     for rid in list(engine.requests):
         engine.abort_request(rid)
     acc["update"] += acc.pop("process") - acc["sample"]  # output processing without the sampler itself
