@@ -13,7 +13,7 @@ from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.beam_search import BeamSearch, beam_outputs, step_beams
-from tinypaged.engine.model_runner import ModelRunner, PendingTokens
+from tinypaged.engine.model_runner import ModelRunner
 from tinypaged.engine.output_processor import (
     SeqState,
     check_stop,
@@ -22,6 +22,7 @@ from tinypaged.engine.output_processor import (
     prompt_logprob_entries,
 )
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, seq_seed, upload
+from tinypaged.engine.staging import PendingTokens
 from tinypaged.outputs import Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -1,0 +1,242 @@
+"""Host-to-device staging of a step's batch: the scheduler's plain data packed into one pinned buffer, sent
+in one non-blocking copy, read on the device as the model's input tensors (or written into the decode graphs'
+fixed buffers); input tokens still pending on the device (async scheduling) are gathered there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinypaged.config import EngineConfig
+from tinypaged.core.scheduler import ScheduledSeq
+from tinypaged.model import AttentionMetadata
+
+# Staged regions start on 128-byte boundaries and block-table rows are padded to 16 entries: Triton
+# specialises kernels on pointer alignment and on strides divisible by 16, so unaligned views of the staging
+# buffer would compile new kernel variants mid-run (about a second each).
+_ALIGN = 32
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def table_width(num_blocks: int) -> int:
+    """Columns of a step's block tables: the longest table's blocks, padded to 16 (see _ALIGN)."""
+    return _round_up(max(num_blocks, 1), 16)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """The batch tensors of one step, built from the scheduler's plain data."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor | slice  # the rows of the T new tokens whose logits are sampled
+    graph_batch_size: int = 0  # > 0: replay the decode graph of this (padded) batch size
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """Input tokens the host does not know yet (async scheduling): the previous step's samples, still on the
+    device, by sequence. A scheduled sequence whose token_ids lack its last new token reads it from here."""
+
+    sampled: torch.Tensor  # [N] int64 on the device
+    rows: dict[int, int]  # seq_id -> row of `sampled`
+
+
+class Staging:
+    """Host-to-device staging of a step's integers: one pinned int32 buffer, one copy per step.
+
+    Eager steps pack [input ids | positions | slots | sample rows | seq lens | query starts | block tables]
+    back to back and read views of one device buffer. Decode graphs read fixed device buffers: ids, positions,
+    slots and seq lens `[4, max_bs]` and block tables `[max_bs, max_blocks]`, filled by two device copies out
+    of the same one host-to-device copy. On the CPU the host buffer is the device buffer.
+    """
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.max_blocks = config.max_blocks_per_seq
+        seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.max_width = _round_up(self.max_blocks, 16)
+        size = 4 * tokens + 5 * seqs + 9 * _ALIGN + seqs * self.max_width
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self.host
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` has finished
+        # Decode-graph buffers (device only): padding rows keep slot -1 and seq len 0, so kernels skip them.
+        self.max_graph_bs = seqs
+        self.g_stride = _round_up(seqs, _ALIGN)
+        self.g_small = torch.zeros((4, self.g_stride), dtype=torch.int32, device=device)
+        self.g_bt = torch.zeros((seqs, self.max_width), dtype=torch.int32, device=device)
+        self.g_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+
+    def _host_free(self) -> None:
+        """Wait until the device has read the last step's staging (normally long done: the sampler synced)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _send(self, n: int) -> None:
+        """Copy the first n staged integers to the device buffer, without waiting."""
+        if self._copied is None:
+            return
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self._copied.record()
+
+    def _stage_pending(
+        self, at: int, scheduled: tuple[ScheduledSeq, ...], starts: list[int], pending: PendingTokens | None
+    ) -> tuple[int, int, int]:
+        """Stage, from offset `at`, where each pending input token goes (its index among the step's input
+        ids) and where it comes from (its row of `pending.sampled`); returns (offset of the sources, count,
+        end). The placeholders in the ids are zeros until `_fill_pending` runs on the device."""
+        dst: list[int] = []
+        src: list[int] = []
+        for i, s in enumerate(scheduled):
+            missing = s.num_new_tokens - len(s.token_ids)
+            if missing:
+                assert missing == 1 and pending is not None, f"seq {s.seq_id}: input tokens unknown"
+                dst.append(starts[i] + s.num_new_tokens - 1)
+                src.append(pending.rows[s.seq_id])
+        k = len(dst)
+        o_src = at + _round_up(k, _ALIGN)
+        h = self.host_np
+        h[at : at + k], h[o_src : o_src + k] = dst, src
+        return o_src, k, o_src + k
+
+    def _fill_pending(
+        self, ids: torch.Tensor, at: int, o_src: int, k: int, pending: PendingTokens | None
+    ) -> None:
+        """On the device, after the staged copy: put the pending tokens into the step's input ids."""
+        if not k:
+            return
+        assert pending is not None
+        dst, src = self.dev[at : at + k].long(), self.dev[o_src : o_src + k]
+        ids.index_copy_(0, dst, pending.sampled.index_select(0, src).to(ids.dtype))
+
+    def graph_input(self, bs: int, max_seq_len: int) -> ModelInput:
+        """The views a decode graph of batch size `bs` reads (captured once, refilled every step)."""
+        ids, pos, slots, seq_lens = self.g_small[:, :bs]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.g_bt[:bs],
+            seq_lens=seq_lens,
+            query_start_loc=self.g_qsl[: bs + 1],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        if bs == self.max_graph_bs:  # before capture: all rows are padding
+            self.g_small[2].fill_(-1)
+            self.g_small[3].zero_()
+        return ModelInput(ids, pos, meta, slice(None), graph_batch_size=bs)
+
+    def stage_decode(
+        self,
+        scheduled: tuple[ScheduledSeq, ...],
+        bs: int,
+        max_seq_len: int,
+        pending: PendingTokens | None = None,
+    ) -> ModelInput:
+        """Fill the graph buffers for a decode batch padded to `bs` rows."""
+        self._host_free()
+        n, block = len(scheduled), self.block_size
+        mb = self.g_stride
+        h = self.host_np
+        ids, pos, slots, lens = [], [], [], []
+        width = 1
+        for s in scheduled:
+            p, table = s.num_computed_tokens, s.block_table
+            ids.append(s.token_ids[0] if s.token_ids else 0)
+            pos.append(p)
+            slots.append(table[p // block] * block + p % block)
+            lens.append(p + 1)
+            width = max(width, len(table))
+        width = table_width(width)
+        h[0:n], h[mb : mb + n], h[2 * mb : 2 * mb + n], h[3 * mb : 3 * mb + n] = ids, pos, slots, lens
+        h[n:bs] = 0
+        h[mb + n : mb + bs] = 0
+        h[2 * mb + n : 2 * mb + bs] = -1
+        h[3 * mb + n : 3 * mb + bs] = 0
+        bt = h[4 * mb : 4 * mb + n * width].reshape(n, width)
+        bt.fill(0)
+        for i, s in enumerate(scheduled):
+            bt[i, : len(s.block_table)] = s.block_table
+        bt_end = 4 * mb + n * width
+        o_dst = _round_up(bt_end, _ALIGN)
+        o_src, k, end = self._stage_pending(o_dst, scheduled, list(range(n)), pending)
+        self._send(end)
+        self.g_small.view(-1).copy_(self.dev[: 4 * mb])
+        self.g_bt[:n, :width].copy_(self.dev[4 * mb : bt_end].view(n, width))
+        ids_t, pos_t, slots_t, lens_t = self.g_small[:, :bs]
+        self._fill_pending(ids_t, o_dst, o_src, k, pending)
+        meta = AttentionMetadata(slots_t, self.g_bt[:bs], lens_t, self.g_qsl[: bs + 1], 1, max_seq_len)
+        return ModelInput(ids_t, pos_t, meta, slice(0, n), graph_batch_size=bs)
+
+    def stage(self, scheduled: tuple[ScheduledSeq, ...], pending: PendingTokens | None = None) -> ModelInput:
+        """Pack an arbitrary (prefill, mixed or decode) batch and send it in one copy."""
+        self._host_free()
+        block = self.block_size
+        n_tok = sum(s.num_new_tokens for s in scheduled)
+        n_seq = len(scheduled)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        samples: list[int] = []
+        lens: list[int] = []
+        starts = [0]
+        width = 1
+        for s in scheduled:
+            first, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_table
+            ids.extend(s.token_ids)
+            ids.extend([0] * (n - len(s.token_ids)))  # pending on the device: filled in below
+            pos.extend(range(first, first + n))
+            p, end = first, first + n
+            while p < end:  # one run of consecutive slots per block touched
+                b, off = divmod(p, block)
+                take = min(block - off, end - p)
+                base = table[b] * block + off
+                slots.extend(range(base, base + take))
+                p += take
+            lens.append(end)
+            starts.append(starts[-1] + n)
+            if s.do_sample:
+                samples.append(starts[-1] - 1)
+            width = max(width, len(table))
+        n_samp = len(samples)
+        width = table_width(width)
+        o_pos = _round_up(n_tok, _ALIGN)
+        o_slot = 2 * o_pos
+        o_samp = 3 * o_pos
+        o_len = o_samp + _round_up(n_samp, _ALIGN)
+        o_qsl = o_len + _round_up(n_seq, _ALIGN)
+        o_bt = o_qsl + _round_up(n_seq + 1, _ALIGN)
+        end = o_bt + n_seq * width
+        h = self.host_np
+        h[0:n_tok], h[o_pos : o_pos + n_tok], h[o_slot : o_slot + n_tok] = ids, pos, slots
+        h[o_samp : o_samp + n_samp], h[o_len : o_len + n_seq], h[o_qsl : o_qsl + n_seq + 1] = (
+            samples,
+            lens,
+            starts,
+        )
+        bt = h[o_bt:end].reshape(n_seq, width)
+        bt.fill(0)
+        for i, s in enumerate(scheduled):
+            bt[i, : len(s.block_table)] = s.block_table
+        o_dst = _round_up(end, _ALIGN)
+        o_src, k, end_all = self._stage_pending(o_dst, scheduled, starts, pending)
+        self._send(end_all)
+        d = self.dev
+        self._fill_pending(d[0:n_tok], o_dst, o_src, k, pending)
+        meta = AttentionMetadata(
+            slot_mapping=d[o_slot : o_slot + n_tok],
+            block_tables=d[o_bt:end].view(n_seq, width),
+            seq_lens=d[o_len : o_len + n_seq],
+            query_start_loc=d[o_qsl : o_qsl + n_seq + 1],
+            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_seq_len=max(lens),
+        )
+        rows: torch.Tensor | slice = slice(0, n_tok) if n_samp == n_tok else d[o_samp : o_samp + n_samp]
+        return ModelInput(d[0:n_tok], d[o_pos : o_pos + n_tok], meta, rows)
