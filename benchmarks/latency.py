@@ -262,8 +262,6 @@ def run_latency(
 
 def profile_batch1(llm: LLM, prompt_len: int, steps: int = 32, seed: int = 3) -> dict[str, Any]:
     """torch.profiler over `steps` batch-1 decode steps (with CUDA graphs when the engine has them)."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine = llm.engine
     rng = np.random.default_rng(seed)
     engine.add_request(
@@ -273,6 +271,15 @@ def profile_batch1(llm: LLM, prompt_len: int, steps: int = 32, seed: int = 3) ->
     )
     for _ in range(4):
         engine.step()
+    table = profile_steps(engine, steps)
+    engine.abort_request("prof-b1")
+    return table
+
+
+def profile_steps(engine: Any, steps: int) -> dict[str, Any]:
+    """torch.profiler over the engine's next `steps` steps: kernel time by kernel and class against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -280,7 +287,6 @@ def profile_batch1(llm: LLM, prompt_len: int, steps: int = 32, seed: int = 3) ->
             engine.step()
         _sync()
         wall = time.perf_counter() - t0
-    engine.abort_request("prof-b1")
     return _kernel_table(prof, wall, steps)
 
 

@@ -34,7 +34,6 @@ from latency import (  # noqa: E402 (a sibling script)
     COPY_TBPS,
     MATMUL_TFLOPS,
     StepRecorder,
-    _kernel_table,
     _sync,
     fp32_greedy_check,
     free_llm,
@@ -43,6 +42,7 @@ from latency import (  # noqa: E402 (a sibling script)
     layer_params,
     load_hf,
     prefill_flops,
+    profile_steps,
     run_checks,
     run_latency,
     step_weight_bytes,
@@ -139,8 +139,6 @@ def _run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
 def profile_ours(llm: LLM, work: list[tuple[list[int], int]], windows: int = 20) -> dict[str, Any]:
     """torch.profiler over two windows of W1's steps, a mixed one and a decode-only one: GPU kernel time
     by kernel and by op class, against the window's wall time (the rest is host time, GPU idle)."""
-    from torch.profiler import ProfilerActivity, profile
-
     engine = llm.engine
     for i, (p, o) in enumerate(work):
         engine.add_request(
@@ -164,15 +162,8 @@ def profile_ours(llm: LLM, work: list[tuple[list[int], int]], windows: int = 20)
             engine.step()
             step += 1
             continue
-        _sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(windows):
-                engine.step()
-            _sync()
-            wall = time.perf_counter() - t0
+        result[name] = profile_steps(engine, windows)
         step += windows
-        result[name] = _kernel_table(prof, wall, windows)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     return result
