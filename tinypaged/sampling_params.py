@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinypaged.errors import RequestError
+
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's continuation(s); invalid values raise ValueError with a clear message.
+    """How to sample one request's continuation(s); invalid values raise RequestError naming the parameter.
 
     Parallel sampling: `best_of` sequences are sampled (default `n`) and the `n` with the highest cumulative
     logprob are returned. Beam search (`use_beam_search=True`, vLLM v0's semantics, as HF's `num_beams`):
@@ -54,82 +56,120 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise ValueError naming the first bad value (call again after changing fields)."""
+        """Raise RequestError naming the first bad value (call again after changing fields)."""
         best_of = self.best_of if self.best_of is not None else self.n
         checks = [
-            (_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (_is_int(best_of) and best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
+            ("n", _is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("best_of", _is_int(best_of) and best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
             (
+                "best_of",
                 best_of >= self.n,
                 f"best_of must be greater than or equal to n, got n={self.n} and best_of={best_of}",
             ),
-            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (
+                "temperature",
+                self.temperature >= 0.0,
+                f"temperature must be non-negative, got {self.temperature}",
+            ),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                "top_k",
                 _is_int(self.top_k) and self.top_k >= 0,
                 f"top_k must be -1 (disable) or at least 1, got {self.top_k}",
             ),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
+                "repetition_penalty",
                 0.0 < self.repetition_penalty <= 2.0,
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
             ),
             (
+                "presence_penalty",
                 -2.0 <= self.presence_penalty <= 2.0,
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
             ),
             (
+                "frequency_penalty",
                 -2.0 <= self.frequency_penalty <= 2.0,
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
-            (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
+            ("seed", self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (
+                "max_tokens",
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             ),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
             (
+                "min_tokens",
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0"),
             (
+                "stop",
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop strings must be non-empty strings",
+            ),
+            (
+                "stop_token_ids",
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be ids >= 0",
+            ),
+            (
+                "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
             (
+                "prompt_logprobs",
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
         ]
         if self.use_beam_search:
             checks += [
-                (best_of > 1, f"beam search needs a beam width (best_of, default n) above 1, got {best_of}"),
-                (self.greedy, f"temperature must be 0 when using beam search, got {self.temperature}"),
                 (
+                    "best_of",
+                    best_of > 1,
+                    f"beam search needs a beam width (best_of, default n) above 1, got {best_of}",
+                ),
+                (
+                    "temperature",
+                    self.greedy,
+                    f"temperature must be 0 when using beam search, got {self.temperature}",
+                ),
+                (
+                    "top_p",
                     self.top_p == 1.0 and self.top_k == 0 and self.min_p == 0.0,
                     "top_p, top_k and min_p must be left at their defaults when using beam search",
                 ),
                 (
+                    "early_stopping",
                     self.early_stopping in (True, False, "never"),
                     f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
+                ),
+                (
+                    "stop",
+                    not self.stop,
+                    "stop strings are not supported with beam search; use stop_token_ids",
                 ),
             ]
         else:
             checks += [
                 (
+                    "early_stopping",
                     self.early_stopping is False,
                     "early_stopping only applies to beam search (use_beam_search=True)",
                 ),
                 (
+                    "length_penalty",
                     abs(self.length_penalty - 1.0) < _SAMPLING_EPS,
                     "length_penalty only applies to beam search (use_beam_search=True)",
                 ),
             ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(message, param)
 
     @property
     def greedy(self) -> bool:
