@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.llm_engine import LLMEngine, Prompt
+from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.request import Prompt
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.weights.fetch import DEFAULT_MODEL_DIR as DEFAULT_MODEL
@@ -66,7 +67,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs come back in the prompts' order.
 
-        All prompts are checked before any runs, so a bad one raises ValueError and nothing is left queued.
+        All requests are checked before any runs, so a bad one raises RequestError (a ValueError naming the
+        parameter) and nothing is left queued.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -80,17 +82,17 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for p in prompts:
-            self.engine.tokenize_prompt(p)
-        ids = []
-        for prompt, sp in zip(prompts, params, strict=True):
-            rid = str(self._next_id)
-            self._next_id += 1
-            self.engine.add_request(rid, prompt, sp)
-            ids.append(rid)
+        first = self._next_id
+        requests = [
+            self.engine.process_inputs(str(first + i), prompt, sp)
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        self._next_id += len(requests)
+        for request in requests:
+            self.engine.add(request)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 if out.finished:
                     done[out.request_id] = out
-        return [done[i] for i in ids]
+        return [done[r.request_id] for r in requests]

@@ -9,7 +9,8 @@ import pytest
 import uvloop
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.async_engine import AsyncEngine, EngineError
+from tinypaged.engine.async_engine import AsyncEngine
+from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 
 
@@ -22,7 +23,8 @@ def aengine(llm: LLM) -> AsyncEngine:
 
 def _clean(engine: AsyncEngine) -> None:
     engine.check_integrity()
-    assert engine.num_free_blocks == engine.num_gpu_blocks
+    stats = engine.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert not engine.engine.has_unfinished_requests()
 
 
@@ -51,7 +53,7 @@ def test_fifty_streams_half_cancelled(aengine: AsyncEngine, llm: LLM) -> None:
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for _ in range(100):  # the aborts are applied by the loop between steps
-            if aengine.num_free_blocks == aengine.num_gpu_blocks:
+            if aengine.stats().num_free_gpu_blocks == aengine.stats().num_gpu_blocks:
                 break
             await asyncio.sleep(0.01)
         assert aengine.stats().num_running == 0
@@ -85,14 +87,13 @@ def test_abort_error_and_bad_input(aengine: AsyncEngine, monkeypatch) -> None:
 
     async def main() -> None:
         await aengine.start()
-        with pytest.raises(ValueError, match="empty"):
+        with pytest.raises(RequestError, match="empty"):
             async for _ in aengine.generate("", long, "bad"):
                 pass
-        with pytest.raises(ValueError, match="beam"):
-            async for _ in aengine.generate(
-                "x", SamplingParams(n=2, use_beam_search=True, stop=["a"], temperature=0.0), "bad2"
-            ):
+        with pytest.raises(RequestError, match="max_num_seqs") as err:
+            async for _ in aengine.generate("x", SamplingParams(n=1000), "bad2"):
                 pass
+        assert err.value.param == "n"
 
         async def doomed() -> None:
             async for _ in aengine.generate("This one fails", long, "doomed"):

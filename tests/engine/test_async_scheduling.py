@@ -15,6 +15,7 @@ import pytest
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.stats import StepStats
 
 WORDS = "the a river mountain quickly blue seven engine paged memory block table copy write token".split()
 
@@ -47,24 +48,28 @@ def _summary(outs) -> list:  # noqa: ANN001
     ]
 
 
-def _count_deferred(engine: LLMEngine) -> list[int]:
-    """[deferred steps applied, steps applied at once], counted as the engine applies them."""
-    counts = [0, 0]
-    apply = engine._apply
-
-    def counting(sampling):  # noqa: ANN001, ANN202
-        counts[0 if sampling.deferred else 1] += 1
-        return apply(sampling)
-
-    engine._apply = counting  # type: ignore[method-assign]
-    return counts
+def _generate(
+    engine: LLMEngine, prompts: list[str], params: list[SamplingParams]
+) -> tuple[list, list[StepStats]]:
+    """LLM.generate's loop, keeping every step's statistics."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    finals, stats = {}, []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        stats.append(result.stats)
+        finals.update((o.request_id, o) for o in result.outputs if o.finished)
+    return [finals[str(i)] for i in range(len(prompts))], stats
 
 
 def _assert_clean(engine: LLMEngine) -> None:
-    kv = engine.kv
-    kv.check_integrity()
-    assert kv.num_free_gpu_blocks == kv.num_gpu_blocks and kv.num_free_cpu_blocks == kv.num_cpu_blocks
-    assert not engine.has_unfinished_requests() and engine._inflight is None
+    engine.check_integrity()
+    stats = engine.stats()
+    assert (
+        stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        and stats.num_free_cpu_blocks == stats.num_cpu_blocks
+    )
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +93,8 @@ def reference(model_dir: Path) -> list:
 )
 def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict) -> None:
     llm = LLM(model=model_dir, async_scheduling=True, **kwargs)
-    counts = _count_deferred(llm.engine)
-    got = _summary(llm.generate(PROMPTS, PARAMS))
+    outs, steps = _generate(llm.engine, PROMPTS, PARAMS)
+    got = _summary(outs)
     if not kwargs:
         # The same batches as the synchronous engine: bit for bit the same results, logprobs included.
         assert got == reference
@@ -101,7 +106,10 @@ def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict
                 assert [o[:4] for o in got[i]] == [o[:4] for o in reference[i]], f"request {i}"
             else:
                 assert [len(o[0]) for o in got[i]] == [len(o[0]) for o in reference[i]], f"request {i}"
-    deferred, at_once = counts
+    deferred = sum(1 for st in steps if st.num_draws and st.deferred)
+    at_once = sum(1 for st in steps if st.num_draws and not st.deferred)
+    # A deferred step's tokens are applied by the next call, first.
+    assert all(st.applied_steps[0] == st.step - 1 for st in steps if st.step and steps[st.step - 1].deferred)
     sched = llm.engine.scheduler
     print(
         f"\n{kwargs}: {deferred} deferred steps, {at_once} applied at once, {sched.num_preemptions} preemptions"
@@ -120,17 +128,9 @@ def test_preempted_while_token_pending(model_dir: Path, reference: list, mode: s
     their last token still on the device: they get it before they run again, and outputs do not change."""
     ids = [i for i, p in enumerate(PARAMS) if p is KINDS[0] or p is KINDS[6]]
     llm = LLM(model=model_dir, async_scheduling=True, num_gpu_blocks_override=8, preemption_mode=mode)
-    sched = llm.engine.scheduler
-    pending_at_preemption = []
-    preempt = sched._preempt
-
-    def recording(group, st):  # noqa: ANN001, ANN202
-        pending_at_preemption.append(sum(s.num_pending for s in group.seqs))
-        return preempt(group, st)
-
-    sched._preempt = recording  # type: ignore[method-assign]
-    got = _summary(llm.generate([PROMPTS[i] for i in ids], [PARAMS[i] for i in ids]))
-    assert got == [reference[i] for i in ids]  # greedy, no logprobs: equal even in other batches
+    outs, steps = _generate(llm.engine, [PROMPTS[i] for i in ids], [PARAMS[i] for i in ids])
+    assert _summary(outs) == [reference[i] for i in ids]  # greedy, no logprobs: equal even in other batches
+    pending_at_preemption = [st.num_preempted_pending for st in steps if st.num_preempted]
     print(
         f"\n{mode}: tokens pending at the {len(pending_at_preemption)} preemptions: {pending_at_preemption}"
     )
@@ -147,12 +147,11 @@ def test_abort_while_in_flight(model_dir: Path, reference: list) -> None:
     aborted = None
     victim = str(ids[1])
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        inflight = engine._inflight
-        if aborted is None and inflight is not None and len(inflight.targets) == len(ids):
-            assert all(seq.num_pending == 1 for _, seq, _ in inflight.targets)
+        result = engine.step()
+        finals.update((o.request_id, o) for o in result.outputs if o.finished)
+        if aborted is None and result.stats.deferred and result.stats.num_draws == len(ids):
+            group = engine.scheduler.get_seq_group(victim)
+            assert group is not None and group.seqs[0].num_pending == 1
             aborted = engine.abort_request(victim)  # its sampled token is still on the device
     assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
     assert victim not in finals

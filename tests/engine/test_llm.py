@@ -7,6 +7,7 @@ import torch
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.config import ModelConfig
+from tinypaged.errors import RequestError
 from tinypaged.model import load_model
 
 PROMPTS = [
@@ -137,12 +138,16 @@ def test_prompt_logprobs_match_gguf_oracle(oracle_model, llm: LLM) -> None:
         ("", SamplingParams(), "empty"),
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
         ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "out of range"),
-        ("hi " * 9000, SamplingParams(), "max_model_len"),
+        ("hi " * 9000, SamplingParams(), "maximum context length"),
+        (["fine", {"prompt": "no ids"}], SamplingParams(), "prompt_token_ids"),
+        ("fine", SamplingParams(stop_token_ids=[10**9]), "stop token id"),
+        ("fine", SamplingParams(n=300), "max_num_seqs"),
     ],
 )
 def test_bad_prompts(llm: LLM, prompt, params, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RequestError, match=message) as err:
         llm.generate(prompt, params)
+    assert err.value.param is not None
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -159,5 +164,6 @@ def test_bad_prompts(llm: LLM, prompt, params, message: str) -> None:
     ],
 )
 def test_bad_sampling_params(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(RequestError, match=message) as err:
         SamplingParams(**kwargs)
+    assert err.value.param == message

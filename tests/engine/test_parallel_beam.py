@@ -11,8 +11,9 @@ from tinypaged.engine.llm_engine import LLMEngine, StepError
 
 def _idle_and_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
-    engine.kv.check_integrity()
-    assert engine.kv.num_free_gpu_blocks == engine.kv.num_gpu_blocks
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
 
 def test_parallel_sampling_shares_prompt_blocks(llm: LLM) -> None:
@@ -36,7 +37,7 @@ def test_parallel_sampling_shares_prompt_blocks(llm: LLM) -> None:
     assert free0 - engine.kv.num_free_gpu_blocks == 2 + 4  # unshared copies would hold 4 * 3
     outs = []
     while engine.has_unfinished_requests():
-        outs += engine.step()
+        outs += engine.step().outputs
     first = outs[-1]
     assert first.finished and len(first.outputs) == 4
     assert len({tuple(o.token_ids) for o in first.outputs}) == 4  # distinct samples
@@ -117,7 +118,8 @@ def test_beams_share_blocks_and_free_them(llm: LLM) -> None:
     prompt = list(range(2000, 2000 + 3 * bs))
     params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("beam", {"prompt_token_ids": prompt}, params)
-    group = engine.requests["beam"].group
+    group = engine.scheduler.get_seq_group("beam")
+    assert group is not None
     peak_used = peak_seqs = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tinypaged.core.sequence import Sequence
-from tinypaged.engine.output_processor import SeqState, check_stop, visible_text
+from tinypaged.engine.output_processor import check_stop, visible_text
+from tinypaged.engine.request import SeqState
 from tinypaged.engine.sampler import Sampler, SamplingRow, seq_seed
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -14,12 +14,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.llm_engine import EngineError, EngineStats, LLMEngine, Prompt, StepError
+from tinypaged.engine.llm_engine import LLMEngine, StepError
+from tinypaged.engine.request import EngineRequest, Prompt
+from tinypaged.engine.stats import EngineStats, StepStats
+from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
-__all__ = ["AsyncEngine", "EngineError", "EngineStats"]
+__all__ = ["AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +57,29 @@ class _Latest:
 
 
 class AsyncEngine:
-    """Async front of the engine: `await start()`, `async for out in generate(...)`, `await shutdown()`."""
+    """Async front of the engine (the `EngineClient` protocol): `await start()`, `async for out in
+    generate(...)`, `await shutdown()`."""
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
-        self.config = config
+        self._config = config
         # An existing LLMEngine may be passed in (tests share one model load); it must be idle.
         self.engine = engine if engine is not None else LLMEngine(config)
         self._streams: dict[str, _Latest] = {}
-        # ("add", request_id, prompt, params) or ("abort", request_id), applied in order between steps.
-        self._ops: list[tuple] = []
+        # ("add", EngineRequest) or ("abort", request_id), applied in order between steps.
+        self._ops: list[tuple[str, EngineRequest | str]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = False
         self._dead: str | None = None  # why the loop died, if it did
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model and build the engine (blocking: call before serving starts)."""
-        return cls(config)
+        self.last_step: StepStats | None = None  # the statistics of the newest step
 
     # ---- passthroughs ---------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration."""
+        return self._config
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -85,19 +90,9 @@ class AsyncEngine:
         """Queue lengths, cache usage, preemptions and token counters (a snapshot)."""
         return self.engine.stats()
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Free KV blocks right now (tests: every block is free once all requests are done)."""
-        return self.engine.kv.num_free_gpu_blocks
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        """Total KV blocks."""
-        return self.engine.kv.num_gpu_blocks
-
     def check_integrity(self) -> None:
         """The KV cache manager's invariants (AssertionError if broken); call it while no step runs."""
-        self.engine.kv.check_integrity()
+        self.engine.check_integrity()
 
     @property
     def is_running(self) -> bool:
@@ -123,8 +118,7 @@ class AsyncEngine:
             assert self._wake is not None
             self._wake.set()
             await self._task
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+        self.engine.abort_all()
         self._fail(list(self._streams), EngineError("the engine was shut down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -137,24 +131,21 @@ class AsyncEngine:
         """Stream the request's cumulative RequestOutput after each step it advanced in (the newest only, when
         several are waiting for a slow consumer); the last is finished.
 
-        A bad prompt or bad params raise ValueError before anything is queued. Closing or cancelling the
-        iterator (a client gone) aborts the request and frees its blocks before the next step. A failure
-        inside the engine raises EngineError from the iterator.
+        A request the engine will not run raises RequestError (naming the parameter) before anything is
+        queued. Closing or cancelling the iterator (a client gone) aborts the request and frees its blocks
+        before the next step. A failure inside the engine raises EngineError from the iterator.
         """
         if self._dead is not None:
             raise EngineError(f"the engine loop has stopped: {self._dead}")
         if self._stopped:
             raise EngineError("the engine has been shut down")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self.engine.check_params(params)
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.engine.tokenize_prompt(prompt)
+            raise RequestError(f"request id {request_id!r} is already in use")
+        request = self.engine.process_inputs(request_id, prompt, params)
         await self.start()
         slot = _Latest()
         self._streams[request_id] = slot
-        self._submit(("add", request_id, {"prompt": text, "prompt_token_ids": ids}, params))
+        self._submit(("add", request))
         finished = False
         try:
             while True:
@@ -179,7 +170,7 @@ class AsyncEngine:
 
     # ---- the loop -------------------------------------------------------------------------------------
 
-    def _submit(self, op: tuple) -> None:
+    def _submit(self, op: tuple[str, EngineRequest | str]) -> None:
         self._ops.append(op)
         if self._wake is not None:
             self._wake.set()
@@ -198,36 +189,37 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 try:
-                    outputs = await loop.run_in_executor(self._executor, engine.step)
+                    result = await loop.run_in_executor(self._executor, engine.step)
                 except StepError as e:
                     logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
                     self._fail(e.request_ids, EngineError(str(e)))
-                    outputs = e.outputs
-                self._dispatch(outputs)
+                    self._dispatch(e.outputs)
+                    continue
+                self.last_step = result.stats
+                self._dispatch(result.outputs)
         except BaseException as e:
             # Scheduler state is unknown after an error outside a step's model work: fail everything.
             self._dead = f"{type(e).__name__}: {e}"
             logger.exception("engine loop died")
-            for rid in list(engine.requests):
-                try:
-                    engine.abort_request(rid)
-                except Exception:  # noqa: BLE001 - keep failing the rest
-                    pass
+            try:
+                engine.abort_all()
+            except Exception:  # noqa: BLE001 - the streams are failed below either way
+                logger.exception("aborting the requests of a dead engine loop")
             self._fail(list(self._streams), EngineError(f"the engine loop stopped: {self._dead}"))
             if not isinstance(e, Exception):
                 raise
 
     def _apply_ops(self) -> None:
         ops, self._ops = self._ops, []
-        for op in ops:
-            if op[0] == "add":
-                _, rid, prompt, params = op
+        for kind, arg in ops:
+            if isinstance(arg, EngineRequest):
                 try:
-                    self.engine.add_request(rid, prompt, params)
-                except ValueError as e:
-                    self._fail([rid], e)
+                    self.engine.add(arg)
+                except RequestError as e:
+                    self._fail([arg.request_id], e)
             else:
-                out = self.engine.abort_request(op[1])
+                assert kind == "abort"
+                out = self.engine.abort_request(arg)
                 if out is not None:
                     self._dispatch([out])
 

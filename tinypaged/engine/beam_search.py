@@ -1,7 +1,7 @@
 """Beam search over a request's sequences, with HF transformers' semantics (`generate(num_beams=W)`).
 
 Each step takes the top K = max(2, 1 + #stop ids) * W continuations of all live beams by cumulative logprob.
-The best W that do not stop become the next beams (the engine forks and drops sequences to match, so beams
+The best W that do not stop become the next beams (the plan forks and drops sequences to match, so beams
 share their common blocks); those among the first W that stop (a stop/EOS token, or the length limit)
 become finished hypotheses scored cumulative_logprob / generated_len ** length_penalty, and the W best are
 kept. The search ends when W hypotheses are kept and early_stopping is True, when no live beam can beat the
@@ -11,20 +11,16 @@ length_penalty > 0), or when every continuation stops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tinypaged.core.sequence import Sequence, SequenceStatus
+from tinypaged.engine.request import Draw, Extend, Fork, Plan, Request, TokenSample
 from tinypaged.outputs import CompletionOutput, Logprob
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from tinypaged.core.scheduler import Scheduler
-    from tinypaged.engine.llm_engine import Request
 
 
 @dataclass
@@ -50,18 +46,20 @@ class Candidate:
     stopped: bool  # the token is a stop/EOS token
 
 
-@dataclass
 class BeamSearch:
-    """The beam-search state of one request: pending logprob rows and the kept hypotheses."""
+    """The beam-search strategy of one request: pending log-probability rows and the kept hypotheses."""
 
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    max_new_tokens: int  # HF's max_length - prompt length
-    hyps: list[Hypothesis] = field(default_factory=list)  # best first, at most `width`
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logprob row of its next token
-    beams: list[int] = field(default_factory=list)  # the live beams' sequence ids, best first
-    improvable: bool = True
-    done: bool = False
+    def __init__(
+        self, params: SamplingParams, stop_ids: frozenset[int], max_new_tokens: int, tokenizer: Tokenizer
+    ) -> None:
+        self.params = params
+        self.stop_ids = stop_ids
+        self.max_new_tokens = max_new_tokens  # HF's max_length - prompt length
+        self.tokenizer = tokenizer
+        self.hyps: list[Hypothesis] = []  # best first, at most `width`
+        self.pending: dict[int, torch.Tensor] = {}  # seq id -> logprob row of its next token
+        self.improvable = True
+        self.done = False
 
     @property
     def width(self) -> int:
@@ -116,99 +114,92 @@ class BeamSearch:
             self.improvable = self.improvable and best_possible > self.hyps[-1].score
         self.done = not self.improvable or (full and p.early_stopping is True) or not running
 
+    # ---- the strategy interface (request.py) ------------------------------------------------------------
 
-def step_beams(
-    req: Request,
-    scheduler: Scheduler,
-    tokenizer: Tokenizer,
-    fork: Callable[[Request, Sequence, int], Sequence],
-    append: Callable[[Request, Sequence, int], None],
-) -> None:
-    """Advance a request's beams once every live beam has its logprob row: fork, extend and drop sequences."""
-    beam = req.beam
-    assert beam is not None
-    live = req.group.unfinished_seqs()
-    if any(s.seq_id not in beam.pending for s in live):
-        return  # some beams were not computed in this step (budget): wait for them
-    states = req.states
-    by_id = {s.seq_id: s for s in live}
-    num_generated = live[0].num_tokens - live[0].prompt_len
-    running, finishing = beam.select(
-        [(s.seq_id, states[s.seq_id].cumulative_logprob) for s in live], num_generated
-    )
-    want_lp = req.params.logprobs is not None
+    def draws(self, req: Request, seq: Sequence) -> list[Draw]:
+        """The whole log-probability row of each beam; never deferred (the next beams are chosen on the host)."""
+        return [Draw(seq, req.states[seq.seq_id].seed_key, scores=True)]
 
-    def logprobs_after(parent: int, c: Candidate) -> list[dict[int, Logprob]] | None:
-        before = states[parent].logprobs
-        if not want_lp or before is None:
-            return None
-        return [*before, {c.token: Logprob(c.logprob, c.rank, tokenizer.decode([c.token], False))}]
-
-    hyps = [
-        Hypothesis(
-            score,
-            by_id[c.parent].token_ids[by_id[c.parent].prompt_len :] + [c.token],
-            c.cumulative_logprob,
-            logprobs_after(c.parent, c),
-            c.stopped,
+    def plan(self, req: Request, results: list[tuple[Draw, Any]]) -> Plan:
+        """Once every live beam has its row: the next beams (forked and extended), the beams left behind
+        (dropped), and when the search is done, the live beams finished."""
+        for draw, row in results:
+            self.pending[draw.seq.seq_id] = row
+        live = req.group.unfinished_seqs()
+        if any(s.seq_id not in self.pending for s in live):
+            return Plan()  # some beams were not computed in this step (budget): wait for them
+        states = req.states
+        by_id = {s.seq_id: s for s in live}
+        num_generated = live[0].num_tokens - live[0].prompt_len
+        running, finishing = self.select(
+            [(s.seq_id, states[s.seq_id].cumulative_logprob) for s in live], num_generated
         )
-        for score, c in finishing
-    ]
-    beam.keep(hyps, running, num_generated + 1)
-    if beam.done:
-        running = []
-    # The first candidate of a parent continues in the parent's sequence; the others fork it (sharing all its
-    # blocks) before any token is appended. Parents no candidate chose are dropped: their blocks are freed.
-    used: set[int] = set()
-    plan: list[tuple[Sequence, Candidate, list[dict[int, Logprob]] | None]] = []
-    for i, c in enumerate(running):
-        lps = logprobs_after(c.parent, c)
-        parent = by_id[c.parent]
-        plan.append((parent if c.parent not in used else fork(req, parent, i), c, lps))
-        used.add(c.parent)
-    for seq, c, lps in plan:
-        append(req, seq, c.token)
-        state = states[seq.seq_id]
-        state.cumulative_logprob = c.cumulative_logprob
-        state.logprobs = lps
-    beam.beams = [seq.seq_id for seq, _, _ in plan]
-    for s in live:
-        if s.seq_id in used:
-            continue
-        if beam.done:
-            scheduler.finish_seq(s, SequenceStatus.FINISHED_STOPPED)
-        else:
-            # Left behind for good: the outputs come from the live beams and the finished hypotheses.
-            scheduler.drop_seq(s)
-            del states[s.seq_id]
 
+        def logprobs_after(parent: int, c: Candidate) -> list[dict[int, Logprob]] | None:
+            before = states[parent].logprobs
+            if before is None:
+                return None
+            return [*before, {c.token: Logprob(c.logprob, c.rank, self.tokenizer.decode([c.token], False))}]
 
-def beam_outputs(tokenizer: Tokenizer, req: Request) -> list[CompletionOutput]:
-    """The n best finished hypotheses once the search is done; the n best live beams while it runs."""
-    beam, p = req.beam, req.params
-    assert beam is not None
-
-    def text(ids: list[int]) -> str:
-        return tokenizer.decode(ids, p.skip_special_tokens)
-
-    if beam.done and beam.hyps:
-        return [
-            CompletionOutput(
-                index=i,
-                text=text(h.token_ids),
-                token_ids=list(h.token_ids),
-                cumulative_logprob=h.cumulative_logprob,
-                logprobs=h.logprobs,
-                finish_reason="stop" if h.stopped else "length",
-                stop_reason=h.token_ids[-1] if h.stopped and h.token_ids[-1] in p.stop_token_ids else None,
+        hyps = [
+            Hypothesis(
+                score,
+                by_id[c.parent].token_ids[by_id[c.parent].prompt_len :] + [c.token],
+                c.cumulative_logprob,
+                logprobs_after(c.parent, c),
+                c.stopped,
             )
-            for i, h in enumerate(beam.hyps[: p.n])
+            for score, c in finishing
         ]
-    by_id = {s.seq_id: s for s in req.group.seqs}
-    outputs = []
-    for i, seq_id in enumerate(beam.beams[: p.n]):
-        seq, state = by_id[seq_id], req.states[seq_id]
-        ids = seq.token_ids[seq.prompt_len :]
-        reason = "abort" if seq.status == SequenceStatus.FINISHED_ABORTED else None
-        outputs.append(CompletionOutput(i, text(ids), ids, state.cumulative_logprob, state.logprobs, reason))
-    return outputs
+        self.keep(hyps, running, num_generated + 1)
+        if self.done:
+            running = []
+        # The first candidate of a parent continues in the parent's sequence; the others fork it (sharing all
+        # its blocks). Parents no candidate chose are left behind: dropped, their blocks freed.
+        plan = Plan()
+        used: set[int] = set()
+        for i, c in enumerate(running):
+            parent = by_id[c.parent]
+            target = parent if c.parent not in used else Fork(parent, i)
+            used.add(c.parent)
+            plan.extend.append(Extend(target, TokenSample(c.token, c.logprob, c.rank), c.cumulative_logprob))
+        for s in live:
+            if s.seq_id not in used:
+                # Done: the outputs are the hypotheses. Else left behind for good: the outputs come from the
+                # live beams and the hypotheses.
+                (plan.finish if self.done else plan.drop).append(s)
+        return plan
+
+    def outputs(self, req: Request) -> list[CompletionOutput]:
+        """The n best hypotheses once the search is done; the n best live beams while it runs."""
+        p = self.params
+
+        def text(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, p.skip_special_tokens)
+
+        if self.done and self.hyps:
+            return [
+                CompletionOutput(
+                    index=i,
+                    text=text(h.token_ids),
+                    token_ids=list(h.token_ids),
+                    cumulative_logprob=h.cumulative_logprob,
+                    logprobs=h.logprobs,
+                    finish_reason="stop" if h.stopped else "length",
+                    stop_reason=h.token_ids[-1]
+                    if h.stopped and h.token_ids[-1] in p.stop_token_ids
+                    else None,
+                )
+                for i, h in enumerate(self.hyps[: p.n])
+            ]
+        # The live beams, best first (a stable sort: ties keep the group's order).
+        beams = sorted(req.group.seqs, key=lambda s: req.states[s.seq_id].cumulative_logprob, reverse=True)
+        outputs = []
+        for i, seq in enumerate(beams[: p.n]):
+            state = req.states[seq.seq_id]
+            ids = seq.token_ids[seq.prompt_len :]
+            reason = "abort" if seq.status == SequenceStatus.FINISHED_ABORTED else None
+            outputs.append(
+                CompletionOutput(i, text(ids), ids, state.cumulative_logprob, state.logprobs, reason)
+            )
+        return outputs

@@ -1,10 +1,11 @@
-"""LLMEngine: requests in, one scheduler step + forward pass + sampling per `step()`, RequestOutputs out."""
+"""LLMEngine: requests in; each `step()` schedules, executes, samples and updates; RequestOutputs out."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -12,26 +13,18 @@ from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tinypaged.engine.beam_search import BeamSearch, beam_outputs, step_beams
-from tinypaged.engine.model_runner import ModelRunner
-from tinypaged.engine.output_processor import (
-    SeqState,
-    check_stop,
-    completion,
-    logprob_entry,
-    prompt_logprob_entries,
-)
-from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, seq_seed, upload
+from tinypaged.engine.beam_search import BeamSearch
+from tinypaged.engine.model_runner import ExecuteOutput, ModelRunner
+from tinypaged.engine.output_processor import OutputProcessor
+from tinypaged.engine.parallel_sampling import ParallelSampling
+from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
+from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.staging import PendingTokens
-from tinypaged.outputs import Logprob, RequestOutput
+from tinypaged.engine.stats import EngineStats, StepResult, StepStats
+from tinypaged.errors import EngineError, RequestError
+from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
-
-Prompt = str | dict[str, list[int]]
-
-
-class EngineError(RuntimeError):
-    """A request failed inside the engine (not because of its input); the message says why."""
+from tinypaged.tokenizer import Tokenizer
 
 
 class StepError(EngineError):
@@ -43,65 +36,66 @@ class StepError(EngineError):
         self.outputs = outputs  # outputs of other requests produced before the failure (e.g. ignored ones)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load, for /metrics and tests."""
-
-    num_running: int  # requests
-    num_waiting: int
-    num_swapped: int
-    gpu_cache_usage: float  # 0..1 of the KV blocks in use
-    cpu_cache_usage: float  # 0..1 of the swap blocks in use
-    num_preemptions: int  # total so far
-    prompt_tokens_total: int  # prompt tokens of requests whose prefill completed
-    generation_tokens_total: int  # tokens sampled (beam search: one per live beam per step)
-
-
 @dataclass(eq=False)
-class Request:
-    """One request: its group, parameters, the state of its sequences and (beam search) of its beams."""
+class _QueuedStep:
+    """One step's draws as queued on the device, applied once their results reach the host: at once, or
+    (deferred, async scheduling) during the next step, after that step's forward pass has been queued. The
+    sequences of a deferred step carry their sampled token as pending until then."""
 
-    group: SequenceGroup
-    prompt: str | None
-    params: SamplingParams
-    states: dict[int, SeqState] = field(default_factory=dict)
-    beam: BeamSearch | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class _Sampling:
-    """One step's sampling as queued on the device, applied to its sequences once the tokens reach the host.
-
-    A deferred step (async scheduling) is applied during the next step, after that step's forward pass has
-    been queued: its sequences carry the sampled tokens as pending until then.
-    """
-
-    targets: list[tuple[Request, Sequence, int | None]]  # (request, seq, fork index or None) per sampled row
+    index: int
+    token_draws: list[tuple[Request, Draw]]  # row i of `sampled`
     sampled: SampledBatch | None
-    beam_targets: list[tuple[Request, Sequence]]
-    beam_logprobs: torch.Tensor | None
-    touched: dict[str, Request]
-    deferred: bool = False
+    score_draws: list[tuple[Request, Draw]]  # row i of `scores`
+    scores: torch.Tensor | None  # log-probability rows (beam search)
+    deferred: bool
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the forward pass (runner.time_device)
+    wait_s: float = 0.0
+    device_s: float | None = None
 
-    def pending_tokens(self) -> PendingTokens:
-        """Where the next step finds each sequence's token (deferred steps only)."""
-        assert self.sampled is not None
+    @property
+    def num_draws(self) -> int:
+        """Draws queued in this step."""
+        return len(self.token_draws) + len(self.score_draws)
+
+    def request_ids(self) -> list[str]:
+        """The requests with draws in this step."""
+        return list(dict.fromkeys(req.request_id for req, _ in self.token_draws + self.score_draws))
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """Where the next step finds each sequence's token on the device (deferred steps)."""
+        if self.sampled is None:
+            return None
         return PendingTokens(
-            self.sampled.token_ids, {seq.seq_id: i for i, (_, seq, _) in enumerate(self.targets)}
+            self.sampled.token_ids, {d.seq.seq_id: i for i, (_, d) in enumerate(self.token_draws)}
         )
+
+    def results(self) -> list[tuple[Request, Draw, Any]]:
+        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host."""
+        t0 = time.perf_counter()
+        out: list[tuple[Request, Draw, Any]] = []
+        if self.sampled is not None:
+            samples = self.sampled.result().samples()
+            out += [(req, d, s) for (req, d), s in zip(self.token_draws, samples, strict=True)]
+        if self.scores is not None:
+            out += [(req, d, self.scores[i]) for i, (req, d) in enumerate(self.score_draws)]
+        if self.events is not None:
+            self.events[1].synchronize()
+            self.device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
+        self.wait_s = time.perf_counter() - t0
+        return out
 
 
 class LLMEngine:
     """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False.
 
-    With async scheduling (on by default on a GPU) a step queues its forward pass and sampling, then applies
-    the previous step's tokens while the device works, so the host's scheduling, detokenizing and output
-    building overlap the device. Its outputs come one step later; steps whose tokens the next step's
-    scheduling or sampling needs on the host (beam search, the forks of n > 1, penalties) are applied at once.
-    A sequence preempted while its token is pending gets the token before it can be scheduled again: the
-    deferred step is applied in the same call that preempted it.
+    A step reads top to bottom: schedule (core/) -> execute (the runner queues block moves and the forward
+    pass) -> sample (one sampler pass over every draw the requests' strategies ask for) -> update (each
+    strategy's plan applied: forks, appends, drops; the output processor detokenizes and checks stops).
+    With async scheduling (on by default on a GPU) a step's tokens stay on the device and are applied during
+    the next step, after that step's forward pass has been queued, so the host's work overlaps the device's;
+    a step whose tokens the next schedule or sampling needs on the host (a fork, a beam step, penalties) is
+    applied at once. A sequence preempted while its token is pending gets the token before it can run again:
+    the deferred step is applied in the same call that preempted it.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -125,317 +119,347 @@ class LLMEngine:
             self.kv,
         )
         self.sampler = Sampler()
-        self.requests: dict[str, Request] = {}
         self.eos_ids = frozenset(config.model.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        self._seq_ids = itertools.count()
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
             else self.runner.device.type == "cuda"
         )
-        self._inflight: _Sampling | None = None  # a deferred step, applied during the next one
+        self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._num_steps = 0
+        self._inflight: _QueuedStep | None = None  # a deferred step, applied during the next one
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # ---- requests ---------------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (if any) and token ids, checked; ValueError with a clear message otherwise."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt_token_ids'")
+    def process_inputs(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+        """Check a request and tokenize its prompt; RequestError naming the parameter if it cannot run.
+
+        Nothing is queued: `add` queues what this returns. This is the one place requests are validated, for
+        every client (the offline LLM, the CLI, the HTTP server).
+        """
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.verify()
+        cfg, vocab = self.config, self.config.model.vocab_size
+        if params.prompt_logprobs is not None and cfg.cache.enable_prefix_caching:
+            raise RequestError(
+                "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)",
+                "prompt_logprobs",
+            )
+        if params.num_seqs > cfg.max_num_seqs:
+            # One request's sequences are scheduled together (they share the prompt's blocks): all must fit.
+            name = "best_of" if params.best_of is not None else "n"
+            raise RequestError(
+                f"{name} must be at most max_num_seqs ({cfg.max_num_seqs}), got {params.num_seqs}", name
+            )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", "stop_token_ids")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= cfg.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, your prompt "
+                f"has {len(ids)} tokens, which leaves no room for output. Please reduce the length of the "
+                "prompt.",
+                "prompt",
+                "context_length_exceeded",
+            )
+        return EngineRequest(request_id, text, ids, params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (if any) and its token ids, each id in the vocabulary."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
             vocab = self.config.model.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+                raise RequestError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})", "prompt")
         else:
-            raise ValueError(
-                f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            raise RequestError(
+                "a prompt is a string or {'prompt_token_ids': [...]}, got "
+                + (
+                    f"a dict with keys {sorted(prompt)}"
+                    if isinstance(prompt, dict)
+                    else type(prompt).__name__
+                ),
+                "prompt",
             )
         if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.config.max_model_len})"
-            )
+            raise RequestError("the prompt is empty", "prompt")
         return text, ids
 
-    def check_params(self, params: SamplingParams) -> None:
-        """SamplingParams checks that depend on the engine; ValueError if they fail."""
-        params.verify()
-        if params.prompt_logprobs is not None and self.config.cache.enable_prefix_caching:
-            raise ValueError(
-                "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)"
-            )
-        if params.use_beam_search and params.stop:
-            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
-        if params.num_seqs > self.config.max_num_seqs:
-            raise ValueError(
-                f"best_of/n ({params.num_seqs}) exceeds max_num_seqs ({self.config.max_num_seqs})"
-            )
+    def add(self, request: EngineRequest) -> None:
+        """Queue a checked request (see `process_inputs`); RequestError if its id is in use."""
+        if request.request_id in self._requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        params, ids = request.params, request.prompt_token_ids
+        seq = Sequence(next(self._seq_ids), ids)
+        group = SequenceGroup(request.request_id, [seq], time.monotonic())
+        req = Request(group, request.prompt, params, self._strategy(params, len(ids)))
+        self.output.start(req)
+        self._requests[request.request_id] = req
+        self.scheduler.add_seq_group(group)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError for a bad prompt or params, or a duplicate id."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_params(params)
-        text, ids = self.tokenize_prompt(prompt)
-        seq = Sequence(next(self._seq_ids), ids)
-        req = Request(SequenceGroup(request_id, [seq], time.monotonic()), text, params)
-        if params.use_beam_search:
-            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-            limit = self.config.max_model_len - len(ids)
-            req.beam = BeamSearch(
-                params, stop_ids, min(params.max_tokens or limit, limit), beams=[seq.seq_id]
-            )
-        seed_key = seq_seed(params.seed, 0) if params.seed is not None else None
-        req.states[seq.seq_id] = self._new_state(req, ids, 0, seed_key)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
-        self.requests[request_id] = req
-        self.scheduler.add_seq_group(req.group)
+        """Check and queue a request (RequestError if it cannot run)."""
+        self.add(self.process_inputs(request_id, prompt, params))
 
-    def _new_state(self, req: Request, prompt_ids: list[int], index: int, seed_key: int | None) -> SeqState:
-        params = req.params
-        detok = (
-            None
-            if req.beam
-            else IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        )
-        return SeqState(index, detok, seed_key, logprobs=[] if params.logprobs is not None else None)
+    def _strategy(self, params: SamplingParams, prompt_len: int) -> ParallelSampling | BeamSearch:
+        if not params.use_beam_search:
+            return ParallelSampling()
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        limit = self.config.max_model_len - prompt_len
+        return BeamSearch(params, stop_ids, min(params.max_tokens or limit, limit), self.tokenizer)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is; all its blocks go back to the pool at once."""
-        req = self.requests.pop(request_id, None)
+        """Stop a request wherever it is; all its blocks go back to the pool at once. Its last output (None
+        if the request is unknown or already finished)."""
+        req = self._requests.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.abort_seq_group(request_id)
-        if not self.requests:
+        if not self._requests:
             self._inflight = None  # nothing left that its tokens could go to
-        return self._output(req)
+        return self.output.output(req)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request; their last outputs."""
+        outputs = [self.abort_request(rid) for rid in list(self._requests)]
+        return [o for o in outputs if o is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting, running or swapped."""
-        return bool(self.requests)
+        return bool(self._requests)
 
     def stats(self) -> EngineStats:
-        """Queue lengths, cache usage and token counters right now."""
+        """Queue lengths, cache usage and counters right now."""
         kv, sched = self.kv, self.scheduler
-        cpu_usage = 1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             num_swapped=sched.num_swapped,
             gpu_cache_usage=kv.gpu_usage,
-            cpu_cache_usage=cpu_usage,
+            cpu_cache_usage=1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
+            num_gpu_blocks=kv.num_gpu_blocks,
+            num_free_gpu_blocks=kv.num_free_gpu_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
             num_preemptions=sched.num_preemptions,
+            num_steps=self._num_steps,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries_total=kv.num_prefix_queried_blocks,
+            prefix_cache_hits_total=kv.num_prefix_hit_blocks,
         )
+
+    def check_integrity(self) -> None:
+        """The KV cache manager's invariants (AssertionError if broken); call it between steps."""
+        self.kv.check_integrity()
 
     # ---- the step ---------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, move blocks, run the model, sample, append tokens, check stops.
+    def step(self) -> StepResult:
+        """One iteration: schedule, execute, sample, update. Returns the outputs of the requests it advanced
+        and its statistics.
 
-        Under async scheduling the tokens appended are the previous step's (this step's stay pending on the
-        device until the next call). If anything after schedule() raises, the requests of this step (and of
-        a deferred one) are aborted and StepError says which.
+        Under async scheduling the tokens applied are the previous step's (this step's stay pending on the
+        device until the next call). If anything after schedule() raises, the requests of this step (and of a
+        deferred one) are aborted and StepError says which.
         """
-        outputs: list[RequestOutput] = []
+        t0 = time.perf_counter()
+        index = self._num_steps
+        self._num_steps += 1
         prev, self._inflight = self._inflight, None
-        out: SchedulerOutput | None = None
+        outputs: list[RequestOutput] = []
+        applied: list[_QueuedStep] = []
+        sched: SchedulerOutput | None = None
         try:
-            out = self.scheduler.schedule()
-            outputs += [o for o in (self._finish_ignored(rid, reason) for rid, reason in out.ignored) if o]
-            pending = prev.pending_tokens() if prev is not None else None
-            logits = self._execute(out, pending)
-            self.scheduler.update_from_output(out)
-            launched = self._sample(out, logits) if logits is not None else None
-            if prev is not None:
-                outputs += self._apply(prev)
+            sched = self.scheduler.schedule()
+            preempted_pending = self._num_pending(sched.preempted)
+            outputs += self._finish_ignored(sched.ignored)
+            t1 = time.perf_counter()
+            executed = self._execute(sched, prev)
+            self.scheduler.update_from_output(sched)
+            t2 = time.perf_counter()
+            queued = self._sample(index, sched, executed) if executed is not None else None
+            t3 = time.perf_counter()
+            if prev is not None:  # the last step's tokens, while this step runs on the device
+                outputs += self._update(prev)
+                applied.append(prev)
                 prev = None
-            if launched is not None and launched.deferred:
-                self._inflight = launched
-            elif launched is not None:
-                outputs += self._apply(launched)
+            if queued is not None and queued.deferred:
+                self._inflight = queued
+            elif queued is not None:
+                outputs += self._update(queued)
+                applied.append(queued)
         except Exception as e:
-            failed = self._fail_step(out, prev)
+            failed = self._fail_step(sched, prev)
             raise StepError(f"engine step failed: {type(e).__name__}: {e}", failed, outputs) from e
-        if not self.requests:
+        if not self._requests:
             self._inflight = None
+        t4 = time.perf_counter()
+        decode = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.do_sample)
+        stats = StepStats(
+            step=index,
+            num_seqs=len(sched.scheduled),
+            num_prefill_tokens=sched.num_batched_tokens - decode,
+            num_decode_tokens=decode,
+            num_draws=queued.num_draws if queued is not None else 0,
+            graph_batch_size=executed.graph_batch_size if executed is not None else 0,
+            num_preempted=len(sched.preempted),
+            num_preempted_pending=preempted_pending,
+            num_blocks_swapped_out=len(sched.blocks_to_swap_out),
+            num_blocks_swapped_in=len(sched.blocks_to_swap_in),
+            num_blocks_copied=len(sched.blocks_to_copy),
+            num_ignored=len(sched.ignored),
+            num_finished=sum(1 for o in outputs if o.finished),
+            deferred=queued is not None and queued.deferred,
+            applied_steps=tuple(s.index for s in applied),
+            num_free_blocks=self.kv.num_free_gpu_blocks,
+            num_kv_tokens=sum(
+                s.num_computed_tokens
+                for g in self.scheduler.running
+                for s in g.seqs
+                if not s.status.is_finished
+            ),
+            schedule_s=t1 - t0,
+            execute_s=t2 - t1,
+            sample_s=t3 - t2,
+            update_s=t4 - t3,
+            wait_s=sum(s.wait_s for s in applied),
+            total_s=t4 - t0,
+            device_s=tuple(s.device_s for s in applied if s.device_s is not None),
+        )
+        return StepResult(outputs, stats)
+
+    def _num_pending(self, request_ids: tuple[str, ...]) -> int:
+        """Sequences of these requests holding a token still pending on the device."""
+        groups = (self.scheduler.get_seq_group(rid) for rid in request_ids)
+        return sum(s.num_pending for g in groups if g is not None for s in g.seqs)
+
+    def _finish_ignored(self, ignored: tuple[tuple[str, str], ...]) -> list[RequestOutput]:
+        """Outputs of the requests the scheduler ended without running (they can never fit)."""
+        outputs = []
+        for request_id, reason in ignored:
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                req.error = reason
+                outputs.append(self.output.output(req))
         return outputs
 
-    def _execute(self, out: SchedulerOutput, pending: PendingTokens | None) -> torch.Tensor | None:
-        """The runner's step: the logits of the rows that sample. Requests with prompt_logprobs get the logits
-        of their prompt chunk from the same forward pass and add its entries."""
-        want = [i for i, s in enumerate(out.scheduled) if self._wants_prompt_logprobs(s.request_id, s.seq_id)]
-        result = self.runner.execute(out, want, pending)
-        if result is None:
-            return None
-        for i, chunk in result.prompt_logits.items():
-            s = out.scheduled[i]
-            req = self.requests[s.request_id]
-            assert req.prompt_logprobs is not None
-            req.prompt_logprobs += prompt_logprob_entries(
-                self.tokenizer,
-                chunk,
-                req.group.seqs[0].prompt_token_ids,
-                s.num_computed_tokens,
-                len(req.prompt_logprobs),
-                req.params.prompt_logprobs or 0,
-            )
-        return result.logits
+    def _execute(self, sched: SchedulerOutput, prev: _QueuedStep | None) -> ExecuteOutput | None:
+        """The runner's step (queued, not awaited). Input tokens still on the device are read from the last
+        step's samples; requests with prompt_logprobs get the logits of their prompt chunk and score it."""
+        want = [
+            i
+            for i, s in enumerate(sched.scheduled)
+            if (req := self._requests.get(s.request_id)) is not None
+            and self.output.wants_prompt_logits(req, s.seq_id)
+        ]
+        result = self.runner.execute(sched, want, prev.pending_tokens() if prev is not None else None)
+        if result is not None:
+            for i, chunk in result.prompt_logits.items():
+                s = sched.scheduled[i]
+                self.output.add_prompt_logprobs(self._requests[s.request_id], chunk, s.num_computed_tokens)
+        return result
 
-    def _wants_prompt_logprobs(self, request_id: str, seq_id: int) -> bool:
-        req = self.requests.get(request_id)
-        if req is None or req.prompt_logprobs is None or req.group.seqs[0].seq_id != seq_id:
-            return False
-        return len(req.prompt_logprobs) < req.group.seqs[0].prompt_len
-
-    def _finish_ignored(self, request_id: str, reason: str) -> RequestOutput | None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        req.error = reason
-        return self._output(req)
-
-    def _fail_step(self, out: SchedulerOutput | None, prev: _Sampling | None) -> list[str]:
-        """Abort the requests a failed step touched: scheduled, swapped out (their copies may be torn), or
-        waiting for the tokens of a deferred step that was not applied."""
-        ids: dict[str, None] = {}
-        if prev is not None:
-            ids.update(
-                dict.fromkeys(
-                    r.group.request_id for r, _, _ in prev.targets if r.group.request_id in self.requests
-                )
-            )
-        if out is not None:
-            ids.update(dict.fromkeys(s.request_id for s in out.scheduled))
-            if out.blocks_to_swap_out:
-                ids.update(dict.fromkeys(out.preempted))
-        for rid in ids:
-            self.requests.pop(rid, None)
-            self.scheduler.abort_seq_group(rid)
-        return list(ids)
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _Sampling:
-        """Queue the sampling of every row in one pass (beam rows: their log-probabilities); defer it when
-        async scheduling is on and nothing in it needs the tokens on the host before the next step."""
-        rows: list[SamplingRow] = []
-        src: list[int] = []  # the logits row of each sampling row
-        targets: list[tuple[Request, Sequence, int | None]] = []
-        beam_rows: list[SamplingRow] = []
-        beam_src: list[int] = []
-        beam_targets: list[tuple[Request, Sequence]] = []
-        touched: dict[str, Request] = {}
-        penalties = False
-        for i, s in enumerate(s for s in out.scheduled if s.do_sample):
-            req = self.requests.get(s.request_id)
+    def _sample(self, index: int, sched: SchedulerOutput, executed: ExecuteOutput) -> _QueuedStep:
+        """Queue every draw the requests' strategies ask for, in one sampler pass (and one scoring pass for
+        beam rows); defer the step when async scheduling is on and every draw may stay on the device."""
+        token: list[tuple[Request, Draw]] = []
+        token_rows: list[SamplingRow] = []
+        token_src: list[int] = []  # the logits row of each draw
+        score: list[tuple[Request, Draw]] = []
+        score_rows: list[SamplingRow] = []
+        score_src: list[int] = []
+        for row, s in enumerate(s for s in sched.scheduled if s.do_sample):
+            req = self._requests.get(s.request_id)
             seq = self.scheduler.get_seq(s.seq_id)
             if req is None or seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
-            touched[s.request_id] = req
-            p = req.params
-            num_outputs = seq.num_tokens - seq.prompt_len  # counting tokens pending on the device
-            penalised = has_penalty(p)
-            penalties |= penalised
-            prompt_ids = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else []
-            output_ids = seq.token_ids[seq.prompt_len :] if penalised or req.beam else []
-            banned = tuple(self.eos_ids | set(p.stop_token_ids)) if num_outputs < p.min_tokens else ()
-            state = req.states[seq.seq_id]
-            if req.beam is not None:
-                beam_rows.append(SamplingRow(p, prompt_ids, output_ids, None, banned, num_outputs))
-                beam_src.append(i)
-                beam_targets.append((req, seq))
-            elif p.num_seqs > 1 and num_outputs == 0 and len(req.group.seqs) == 1:
-                # The prompt is computed: draw one first token per sequence of the request, each from its
-                # own stream; the children fork from the prompt's blocks when the tokens are applied.
-                for j in range(p.num_seqs):
-                    key = seq_seed(p.seed, j) if p.seed is not None else None
-                    rows.append(SamplingRow(p, prompt_ids, output_ids, key, banned, num_outputs))
-                    src.append(i)
-                    targets.append((req, seq, j))
-            else:
-                rows.append(SamplingRow(p, prompt_ids, output_ids, state.seed_key, banned, num_outputs))
-                src.append(i)
-                targets.append((req, seq, None))
-        sampled = beam_lp = None
-        if rows:
-            need_lp = any(r.params.num_seqs > r.params.n for r in rows)
-            sampled = self.sampler.sample(_rows_of(logits, src), rows, need_logprobs=need_lp)
-        if beam_rows:
-            beam_lp = self.sampler.beam_logprobs(_rows_of(logits, beam_src), beam_rows)
-        deferred = (
-            self.async_scheduling
-            and sampled is not None
-            and not beam_rows
-            and not penalties
-            and all(j is None for _, _, j in targets)
-        )
+            for draw in req.strategy.draws(req, seq):
+                draws, rows, src = (
+                    (score, score_rows, score_src) if draw.scores else (token, token_rows, token_src)
+                )
+                draws.append((req, draw))
+                rows.append(self._sampling_row(req, seq, draw))
+                src.append(row)
+        logits = executed.logits
+        sampled = scores = None
+        if token:
+            best_of = any(r.params.num_seqs > r.params.n for r in token_rows)  # ranks samples by logprob
+            sampled = self.sampler.sample(_rows_of(logits, token_src), token_rows, need_logprobs=best_of)
+        if score:
+            scores = self.sampler.beam_logprobs(_rows_of(logits, score_src), score_rows)
+        deferred = self.async_scheduling and all(d.defer for _, d in token + score)
         if deferred:
-            for _, seq, _ in targets:
-                seq.add_pending()
-        return _Sampling(targets, sampled, beam_targets, beam_lp, touched, deferred)
+            for _, d in token:
+                d.seq.add_pending()
+        return _QueuedStep(index, token, sampled, score, scores, deferred, executed.events)
 
-    def _apply(self, sampling: _Sampling) -> list[RequestOutput]:
-        """Append a step's tokens (forking parallel-sampling groups after their prompt, stepping beams),
-        check stops, and build the outputs of the requests it touched."""
-        if sampling.sampled is not None:
-            result = sampling.sampled.result()
-            targets = sampling.targets
-            # Fork first, so every child copies its parent before the parent's first token is appended.
-            seqs = [self._fork(req, seq, j) if j else seq for req, seq, j in targets]
-            for row, ((req, _, _), seq) in enumerate(zip(targets, seqs, strict=True)):
-                if sampling.deferred and (
-                    self.requests.get(req.group.request_id) is not req or seq.status.is_finished
-                ):
-                    continue  # aborted or finished while this step was in flight
-                token = result.token_ids[row]
-                state = req.states[seq.seq_id]
-                if result.logprobs is not None:
-                    state.cumulative_logprob += result.logprobs[row]
-                    if state.logprobs is not None:
-                        state.logprobs.append(logprob_entry(self.tokenizer, req.params, row, result))
-                self._append(req, seq, token, sampling.deferred)
-                status = check_stop(req.params, seq, state, token, self.eos_ids, self.config.max_model_len)
-                if status is not None:
-                    self.scheduler.finish_seq(seq, status)
-        if sampling.beam_logprobs is not None:
-            lp = sampling.beam_logprobs
-            for row, (req, seq) in enumerate(sampling.beam_targets):
-                assert req.beam is not None
-                req.beam.pending[seq.seq_id] = lp[row]
-            for req in dict.fromkeys(r for r, _ in sampling.beam_targets):
-                step_beams(req, self.scheduler, self.tokenizer, self._fork, self._append)
+    def _sampling_row(self, req: Request, seq: Sequence, draw: Draw) -> SamplingRow:
+        p = req.params
+        num_outputs = seq.num_tokens - seq.prompt_len  # counting tokens pending on the device
+        prompt_ids = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else []
+        output_ids = seq.token_ids[seq.prompt_len :] if has_penalty(p) else []
+        banned = tuple(self.eos_ids | set(p.stop_token_ids)) if num_outputs < p.min_tokens else ()
+        return SamplingRow(p, prompt_ids, output_ids, draw.seed_key, banned, num_outputs)
+
+    def _update(self, step: _QueuedStep) -> list[RequestOutput]:
+        """Apply a step's results: each request's strategy plans, the plan is applied, its output built."""
+        by_request: dict[Request, list[tuple[Draw, Any]]] = {}
+        for req, draw, result in step.results():
+            by_request.setdefault(req, []).append((draw, result))
         outputs = []
-        for rid, req in sampling.touched.items():
-            if self.requests.get(rid) is not req:
-                continue  # aborted while in flight: abort_request reported it
-            outputs.append(self._output(req))
+        for req, results in by_request.items():
+            if self._requests.get(req.request_id) is not req:
+                continue  # aborted while the step was in flight: abort_request reported it
+            self._apply(req, req.strategy.plan(req, results), pending=step.deferred)
+            outputs.append(self.output.output(req))
             if req.group.is_finished():
-                del self.requests[rid]
+                del self._requests[req.request_id]
         return outputs
 
-    def _fork(self, req: Request, parent: Sequence, index: int) -> Sequence:
-        """A new sequence of the request sharing every block of `parent` (copy-on-write later)."""
-        child = parent.fork(next(self._seq_ids))
-        self.scheduler.fork_seq(parent, child)
-        p = req.params
-        key = seq_seed(p.seed, index) if p.seed is not None else None
-        if req.beam is not None:
-            req.states[child.seq_id] = req.states[parent.seq_id].fork(index, key)
-        else:
-            req.states[child.seq_id] = self._new_state(req, parent.prompt_token_ids, index, key)
+    def _apply(self, req: Request, plan: Plan, pending: bool) -> None:
+        """Carry out a plan: forks first (each child shares its parent's blocks as they are before this
+        step's tokens), then appends with their stop checks, then drops and finishes. `pending`: the tokens
+        extend sequences that ran with them pending on the device."""
+        children: dict[Fork, Sequence] = {}
+        for ext in plan.extend:
+            if isinstance(ext.target, Fork) and ext.target not in children:
+                children[ext.target] = self._fork(req, ext.target)
+        for ext in plan.extend:
+            forked = isinstance(ext.target, Fork)
+            seq = children[ext.target] if isinstance(ext.target, Fork) else ext.target
+            if seq.status.is_finished:
+                continue  # finished (or aborted) while its token was in flight
+            self._append(req, seq, ext.sample.token, pending and not forked)
+            status = self.output.append(req, seq, ext)
+            if status is not None:
+                self.scheduler.finish_seq(seq, status)
+        for seq in plan.drop:
+            self.scheduler.drop_seq(seq)
+            del req.states[seq.seq_id]
+        for seq in plan.finish:
+            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _fork(self, req: Request, fork: Fork) -> Sequence:
+        """A new sequence of the request sharing every block of its parent (copy-on-write later)."""
+        child = fork.parent.fork(next(self._seq_ids))
+        self.scheduler.fork_seq(fork.parent, child)
+        self.output.fork(req, fork.parent, child, fork.index)
         return child
 
-    def _append(self, req: Request, seq: Sequence, token: int, pending: bool = False) -> None:
-        """Append a sampled token (`pending`: the one the sequence was already running as pending)."""
+    def _append(self, req: Request, seq: Sequence, token: int, pending: bool) -> None:
+        """Append a token (`pending`: the one the sequence was already running as pending)."""
         if len(seq.token_ids) == seq.prompt_len and seq is req.group.seqs[0]:
             self.prompt_tokens_total += seq.prompt_len
         if pending:
@@ -444,28 +468,22 @@ class LLMEngine:
             seq.append_token(token)
         self.generation_tokens_total += 1
 
-    def _output(self, req: Request) -> RequestOutput:
-        group, p = req.group, req.params
-        first = group.seqs[0]
-        if req.beam is not None:
-            outputs = beam_outputs(self.tokenizer, req)
-        else:
-            seqs = group.seqs
-            if p.num_seqs > p.n:
-                # best_of: the n sequences with the highest cumulative logprob, once all are done.
-                if group.is_finished():
-                    seqs = sorted(seqs, key=lambda s: req.states[s.seq_id].cumulative_logprob, reverse=True)
-                seqs = seqs[: p.n]
-            outputs = [completion(p, s, req.states[s.seq_id], i) for i, s in enumerate(seqs)]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=first.token_ids[: first.prompt_len],
-            outputs=outputs,
-            finished=group.is_finished(),
-            error=req.error,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-        )
+    def _fail_step(self, sched: SchedulerOutput | None, prev: _QueuedStep | None) -> list[str]:
+        """Abort the requests a failed step touched: scheduled, swapped out (their copies may be torn), or
+        waiting for the tokens of a deferred step that was not applied."""
+        ids: dict[str, None] = {}
+        if prev is not None:
+            ids.update(dict.fromkeys(rid for rid in prev.request_ids() if rid in self._requests))
+        if sched is not None:
+            ids.update(dict.fromkeys(s.request_id for s in sched.scheduled))
+            if sched.blocks_to_swap_out:
+                ids.update(dict.fromkeys(sched.preempted))
+        for rid in ids:
+            self._requests.pop(rid, None)
+            self.scheduler.abort_seq_group(rid)
+        if not self._requests:
+            self._inflight = None
+        return list(ids)
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

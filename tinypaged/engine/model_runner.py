@@ -64,6 +64,9 @@ class ExecuteOutput:
     logits: torch.Tensor  # [S, vocab]: each sampling sequence's last new token, in scheduled order
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    graph_batch_size: int = 0  # > 0: the forward pass replayed the decode graph of this batch size
+    # Recorded before and after the forward pass when `ModelRunner.time_device` is on (CUDA only).
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 @dataclass
@@ -84,7 +87,8 @@ class ModelRunner:
     """Loads the weights, allocates the paged KV cache (and its CPU swap space), runs forward passes.
 
     `use_cuda_graphs` may be switched off at run time (the graphs stay captured), e.g. to time eager decoding
-    on the same engine.
+    on the same engine. `time_device` (benchmarks) records CUDA events around each forward pass; the engine
+    reports the time between them in its step statistics.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -112,6 +116,7 @@ class ModelRunner:
             self.num_cpu_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
         self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.time_device = False
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         if self.use_cuda_graphs:
@@ -264,9 +269,14 @@ class ModelRunner:
         Nothing here waits for the device: the logits come back still being computed. Input tokens missing
         from the scheduler's token_ids are read from `pending` (the last step's samples) on the device.
         """
-        self.move_blocks(out)
         if not out.scheduled:
+            self.move_blocks(out)
             return None
+        events = None
+        if self.time_device and self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        self.move_blocks(out)
         inp = self.prepare(out, eager=bool(prompt_logits_of), pending=pending)
         if inp.graph_batch_size:
             graph, hidden = self._graphs[inp.graph_batch_size]
@@ -274,10 +284,12 @@ class ModelRunner:
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
-        if not prompt_logits_of:
-            return ExecuteOutput(logits)
-        starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
-        prompt_logits = {
-            i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
-        }
-        return ExecuteOutput(logits, prompt_logits)
+        if events is not None:
+            events[1].record()
+        prompt_logits = {}
+        if prompt_logits_of:
+            starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
+            prompt_logits = {
+                i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
+            }
+        return ExecuteOutput(logits, prompt_logits, inp.graph_batch_size, events)

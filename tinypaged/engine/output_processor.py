@@ -1,15 +1,14 @@
-"""Per-sequence output state: streaming detokenization, stop checks, and the text a client may see so far."""
+"""The output side of every request, in one place: each sequence's state (text by incremental detokenization,
+logprobs, cumulative logprob, stop reason), stop checks, prompt logprobs, and the RequestOutput snapshots."""
 
 from __future__ import annotations
-
-import copy
-from dataclasses import dataclass
 
 import torch
 
 from tinypaged.core.sequence import Sequence, SequenceStatus
-from tinypaged.engine.sampler import SamplerOutput
-from tinypaged.outputs import CompletionOutput, Logprob
+from tinypaged.engine.request import Extend, Request, SeqState, TokenSample
+from tinypaged.engine.sampler import seq_seed
+from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -19,27 +18,6 @@ FINISH_REASON = {
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_IGNORED: "length",
 }
-
-
-@dataclass
-class SeqState:
-    """What the core does not keep about one sequence: its text, logprobs, random stream, why it stopped."""
-
-    index: int  # its position among the request's sequences
-    detok: IncrementalDetokenizer | None  # None under beam search: beams are decoded whole when reported
-    seed_key: int | None = None
-    text: str = ""  # everything detokenized so far (cut at the stop string once one is found)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
-
-    def fork(self, index: int, seed_key: int | None) -> SeqState:
-        """A copy for a forked sequence (beam search): same text and logprobs so far."""
-        child = copy.copy(self)
-        child.index, child.seed_key = index, seed_key
-        child.detok = copy.deepcopy(self.detok) if self.detok is not None else None
-        child.logprobs = list(self.logprobs) if self.logprobs is not None else None
-        return child
 
 
 def check_stop(
@@ -104,36 +82,18 @@ def visible_text(params: SamplingParams, state: SeqState, finished: bool) -> str
     return text[: len(text) - hold] if hold else text
 
 
-def completion(
-    params: SamplingParams, seq: Sequence, state: SeqState, index: int, text: str | None = None
-) -> CompletionOutput:
+def completion(params: SamplingParams, seq: Sequence, state: SeqState, index: int) -> CompletionOutput:
     """A snapshot of one sequence as vLLM's CompletionOutput (lists copied: the state keeps growing)."""
     finished = seq.status.is_finished
     return CompletionOutput(
         index=index,
-        text=visible_text(params, state, finished) if text is None else text,
+        text=visible_text(params, state, finished),
         token_ids=seq.token_ids[seq.prompt_len :],
         cumulative_logprob=state.cumulative_logprob if params.logprobs is not None else None,
         logprobs=list(state.logprobs) if state.logprobs is not None else None,
         finish_reason=FINISH_REASON.get(seq.status),
         stop_reason=state.stop_reason,
     )
-
-
-def logprob_entry(
-    tokenizer: Tokenizer, params: SamplingParams, row: int, result: SamplerOutput
-) -> dict[int, Logprob]:
-    """The sampled token's Logprob and the top `params.logprobs` alternatives of one sampler row."""
-    assert result.logprobs is not None and result.top_ids is not None and result.top_logprobs is not None
-    assert result.ranks is not None
-    k = params.logprobs or 0
-    top = zip(result.top_ids[row][:k], result.top_logprobs[row][:k], strict=True)
-    entry = {t: Logprob(lp, rank + 1, tokenizer.decode([t], False)) for rank, (t, lp) in enumerate(top)}
-    token = result.token_ids[row]
-    entry.setdefault(
-        token, Logprob(result.logprobs[row], result.ranks[row], tokenizer.decode([token], False))
-    )
-    return entry
 
 
 def prompt_logprob_entries(
@@ -163,3 +123,90 @@ def prompt_logprob_entries(
         entry.setdefault(t, Logprob(lp, rank, tokenizer.decode([t], False)))
         entries.append(entry)
     return entries
+
+
+class OutputProcessor:
+    """Turns tokens into what a client sees: a new sequence's state, each appended token's logprobs, text and
+    stop check, the prompt's logprobs, and a request's RequestOutput snapshot."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+
+    def start(self, req: Request) -> None:
+        """The state of a new request's first sequence (output 0), and its prompt logprobs if asked for."""
+        p = req.params
+        seq = req.group.seqs[0]
+        # Beams are decoded whole when reported: which of them survive is known only then.
+        detok = (
+            None
+            if p.use_beam_search
+            else IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+        )
+        seed_key = seq_seed(p.seed, 0) if p.seed is not None else None
+        req.states[seq.seq_id] = SeqState(0, detok, seed_key, logprobs=[] if p.logprobs is not None else None)
+        if p.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+
+    def fork(self, req: Request, parent: Sequence, child: Sequence, index: int) -> None:
+        """The state of a forked sequence: its parent's so far, under its own index and random stream."""
+        p = req.params
+        seed_key = seq_seed(p.seed, index) if p.seed is not None else None
+        req.states[child.seq_id] = req.states[parent.seq_id].fork(index, seed_key)
+
+    def append(self, req: Request, seq: Sequence, ext: Extend) -> SequenceStatus | None:
+        """Account for a token just appended to `seq`: its logprobs, its text; the finished status it gives
+        the sequence, or None to go on."""
+        state, sample = req.states[seq.seq_id], ext.sample
+        if ext.cumulative_logprob is not None:
+            state.cumulative_logprob = ext.cumulative_logprob
+        elif sample.logprob is not None:
+            state.cumulative_logprob += sample.logprob
+        if state.logprobs is not None:
+            state.logprobs.append(self.logprob_entry(req.params, sample))
+        return check_stop(req.params, seq, state, sample.token, self.eos_ids, self.max_model_len)
+
+    def logprob_entry(self, params: SamplingParams, sample: TokenSample) -> dict[int, Logprob]:
+        """The token's Logprob and its top `params.logprobs` alternatives, by token id."""
+        assert sample.logprob is not None and sample.rank is not None
+        decode = self.tokenizer.decode
+        top = sample.top[: params.logprobs or 0] if sample.top else []
+        entry = {t: Logprob(lp, rank + 1, decode([t], False)) for rank, (t, lp) in enumerate(top)}
+        entry.setdefault(sample.token, Logprob(sample.logprob, sample.rank, decode([sample.token], False)))
+        return entry
+
+    def wants_prompt_logits(self, req: Request, seq_id: int) -> bool:
+        """Whether a chunk of this sequence's prompt should come with its logits (prompt_logprobs)."""
+        first = req.group.seqs[0]
+        return (
+            req.prompt_logprobs is not None
+            and first.seq_id == seq_id
+            and len(req.prompt_logprobs) < first.prompt_len
+        )
+
+    def add_prompt_logprobs(self, req: Request, logits: torch.Tensor, first: int) -> None:
+        """Score the prompt tokens a chunk's logits predict (the chunk starts at position `first`)."""
+        assert req.prompt_logprobs is not None
+        req.prompt_logprobs += prompt_logprob_entries(
+            self.tokenizer,
+            logits,
+            req.group.seqs[0].prompt_token_ids,
+            first,
+            len(req.prompt_logprobs),
+            req.params.prompt_logprobs or 0,
+        )
+
+    def output(self, req: Request) -> RequestOutput:
+        """The request as it stands, as vLLM's RequestOutput (lists copied: the state keeps growing)."""
+        group = req.group
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=req.strategy.outputs(req),
+            finished=group.is_finished(),
+            error=req.error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinypaged.engine.request import TokenSample
 from tinypaged.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -53,6 +54,18 @@ class SamplerOutput:
     top_ids: list[list[int]] | None  # [N][k] per row (k = the batch's largest logprobs request)
     top_logprobs: list[list[float]] | None
     ranks: list[int] | None  # rank of the sampled token in the distribution (1 = most likely)
+
+    def samples(self) -> list[TokenSample]:
+        """One TokenSample per row."""
+        if self.logprobs is None:
+            return [TokenSample(t) for t in self.token_ids]
+        assert self.ranks is not None and self.top_ids is not None and self.top_logprobs is not None
+        return [
+            TokenSample(t, lp, rank, list(zip(ids, lps, strict=True)) if ids else None)
+            for t, lp, rank, ids, lps in zip(
+                self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs, strict=True
+            )
+        ]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""The engine as its clients see it (the HTTP server, tests): a typed protocol with no torch behind it.
+
+`AsyncEngine` implements it; the server is written against this protocol only, so it never touches tensors
+and could as well talk to an engine in another process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from tinypaged.config import EngineConfig
+from tinypaged.engine.request import Prompt
+from tinypaged.engine.stats import EngineStats
+from tinypaged.outputs import RequestOutput
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    """Submit requests and stream their outputs; start, stop and observe the engine."""
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (model shape, limits)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        ...
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine serves (started, not shut down, not failed)."""
+        ...
+
+    async def start(self) -> None:
+        """Start serving (idempotent)."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop; unfinished requests end with EngineError."""
+        ...
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's cumulative outputs, the last one finished.
+
+        A request the engine will not run raises RequestError (naming the parameter) before anything is
+        queued; a failure inside the engine raises EngineError. Closing the iterator aborts the request.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort"."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, cache usage and counters right now."""
+        ...

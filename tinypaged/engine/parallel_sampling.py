@@ -1,0 +1,48 @@
+"""Parallel sampling: n independent samples of a prompt (best_of drawn, the n best returned); n = 1 is plain
+sampling or greedy decoding. The strategy interface is in request.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinypaged.core.sequence import Sequence
+from tinypaged.engine.output_processor import completion
+from tinypaged.engine.request import Draw, Extend, Fork, Plan, Request
+from tinypaged.engine.sampler import has_penalty, seq_seed
+from tinypaged.outputs import CompletionOutput
+
+
+class ParallelSampling:
+    """Every sequence draws its own token; a request of several sequences forks them after its prompt.
+
+    The first token of each sequence is drawn from the prompt's one logits row, each from its own random
+    stream; the other sequences then fork from the prompt's blocks, so the prompt is computed and stored once.
+    """
+
+    def draws(self, req: Request, seq: Sequence) -> list[Draw]:
+        """One draw per sequence; at the first token of a request of k sequences, k draws from the prompt's
+        row (draw i > 0 starts output i as a fork)."""
+        p = req.params
+        if p.num_seqs > 1 and seq.num_tokens == seq.prompt_len and len(req.group.seqs) == 1:
+            forks = [
+                Draw(seq, seq_seed(p.seed, i) if p.seed is not None else None, fork=i)
+                for i in range(1, p.num_seqs)
+            ]
+            return [Draw(seq, req.states[seq.seq_id].seed_key), *forks]
+        return [Draw(seq, req.states[seq.seq_id].seed_key, defer=not has_penalty(p))]
+
+    def plan(self, req: Request, results: list[tuple[Draw, Any]]) -> Plan:
+        """Each token extends its sequence or starts its fork."""
+        return Plan(
+            extend=[Extend(d.seq if d.fork is None else Fork(d.seq, d.fork), sample) for d, sample in results]
+        )
+
+    def outputs(self, req: Request) -> list[CompletionOutput]:
+        """Every sequence; with best_of > n, the n of highest cumulative logprob once all are done."""
+        p, group = req.params, req.group
+        seqs = group.seqs
+        if p.num_seqs > p.n:
+            if group.is_finished():
+                seqs = sorted(seqs, key=lambda s: req.states[s.seq_id].cumulative_logprob, reverse=True)
+            seqs = seqs[: p.n]
+        return [completion(p, s, req.states[s.seq_id], i) for i, s in enumerate(seqs)]

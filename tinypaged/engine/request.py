@@ -1,0 +1,144 @@
+"""A request as the engine holds it, and the one small interface its strategy implements. Plain data, no torch.
+
+Each step the engine asks a request's strategy which draws to make from the logits row of every sequence that
+samples (`Strategy.draws`), queues them all in one sampler pass, and hands each request the results of its
+draws (`Strategy.plan`). The strategy answers with a `Plan`: which sequences fork from which, which sequence
+each token extends, which sequences are dropped or finished. The engine applies the plan through the
+scheduler, so a fork shares every block of its parent (copied on write later), as the paper has it; the output
+processor then detokenizes each new token and checks the stop conditions. `Strategy.outputs` says what the
+request reports. The strategies: `ParallelSampling` (parallel_sampling.py: n or best_of samples, n = 1
+included) and `BeamSearch` (beam_search.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from tinypaged.core.sequence import Sequence, SequenceGroup
+from tinypaged.outputs import CompletionOutput, Logprob
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.tokenizer import IncrementalDetokenizer
+
+Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} with an optional "prompt" text
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A checked request, ready to queue: what `LLMEngine.process_inputs` returns and `LLMEngine.add` takes."""
+
+    request_id: str
+    prompt: str | None  # the prompt's text, when there is one
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class SeqState:
+    """What the core does not keep about one sequence: its text, logprobs, random stream, why it stopped."""
+
+    index: int  # its position among the request's outputs (and its random stream under a seed)
+    detok: IncrementalDetokenizer | None  # None under beam search: beams are decoded whole when reported
+    seed_key: int | None = None
+    text: str = ""  # everything detokenized so far (cut at the stop string once one is found)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+
+    def fork(self, index: int, seed_key: int | None) -> SeqState:
+        """A copy for a forked sequence: the same text, logprobs and detokenizer state so far."""
+        return replace(
+            self,
+            index=index,
+            seed_key=seed_key,
+            detok=self.detok.fork() if self.detok is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+
+
+# ---- the strategy interface ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One draw a strategy asks of the logits row of `seq` this step."""
+
+    seq: Sequence
+    seed_key: int | None  # the random stream the draw uses (None: torch's generator)
+    fork: int | None = None  # None: the token extends `seq`; k: it starts output k, a fork of `seq`
+    scores: bool = False  # the whole log-probability row instead of a sampled token (beam search)
+    # The token may stay on the device until the next step (async scheduling): only when nothing that the next
+    # schedule or the next sampling needs on the host depends on it (no fork, no beam step, no penalty).
+    defer: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSample:
+    """A sampled token, with its logprob and rank when computed, and the top alternatives when asked for."""
+
+    token: int
+    logprob: float | None = None
+    rank: int | None = None  # 1 = the most likely token
+    top: list[tuple[int, float]] | None = None  # (token, logprob), best first
+
+
+@dataclass(frozen=True, eq=False)
+class Fork:
+    """A new sequence of the request sharing every block of `parent`, as the parent was before this step."""
+
+    parent: Sequence
+    index: int  # its output index (and random stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    """Append `sample.token` to a sequence: an existing one, or a fork made by the same plan."""
+
+    target: Sequence | Fork
+    sample: TokenSample
+    cumulative_logprob: float | None = None  # replaces the running sum (beam search); else logprob adds
+
+
+@dataclass
+class Plan:
+    """What a request's sequences do with one step's results. Forks are made before any token is appended."""
+
+    extend: list[Extend] = field(default_factory=list)
+    drop: list[Sequence] = field(default_factory=list)  # left behind for good: blocks freed, forgotten
+    finish: list[Sequence] = field(default_factory=list)  # the request is done with them (stopped)
+
+
+class Strategy(Protocol):
+    """A request's way of choosing tokens (see the module docstring)."""
+
+    def draws(self, req: Request, seq: Sequence) -> list[Draw]:
+        """The draws to make from `seq`'s logits row this step."""
+        ...
+
+    def plan(self, req: Request, results: list[tuple[Draw, Any]]) -> Plan:
+        """What to do with this step's results: a TokenSample per token draw, a log-probability row (a
+        tensor over the vocabulary) per scores draw."""
+        ...
+
+    def outputs(self, req: Request) -> list[CompletionOutput]:
+        """The request's outputs as they stand."""
+        ...
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside the engine: its sequence group, how it samples, and its outputs' state."""
+
+    group: SequenceGroup
+    prompt: str | None
+    params: SamplingParams
+    strategy: Strategy
+    states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
+    # With params.prompt_logprobs: None for the first prompt token, then one entry per prompt token scored.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # why it ended without running (e.g. it can never fit in the cache)
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.group.request_id
