@@ -10,7 +10,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, Prompt
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.weights.fetch import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+from tinypaged.weights.fetch import resolve_model
 
 
 class LLM:
@@ -18,7 +18,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path = DEFAULT_MODEL,
+        model: str | Path | None = None,
         *,
         dtype: str = "auto",
         device: str = "auto",
@@ -36,7 +36,7 @@ class LLM:
         async_scheduling: bool | None = None,
     ) -> None:
         self.config = EngineConfig.from_engine_args(
-            model,
+            resolve_model(model),
             dtype=dtype,
             device=device,
             seed=seed,
