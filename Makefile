@@ -1,8 +1,9 @@
 # The README's two commands: `make serve` (set up and serve the default model) and `make test`.
+# The default model lives in the model cache ($TINYPAGED_HOME, else $XDG_CACHE_HOME/tinypaged, else
+# ~/.cache/tinypaged), never in the tree.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL := weights/smollm2-135m-instruct
 
 .PHONY: setup weights serve generate test lint bench clean
 
@@ -16,16 +17,15 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-$(MODEL)/.complete: | $(VENV)/.installed
+# Phony: the model's `.complete` marker is outside the tree; the fetch itself is idempotent and quick when done.
+weights: setup
 	$(VENV)/bin/tinypaged weights fetch
 
-weights: $(MODEL)/.complete
-
 serve: setup weights
-	$(VENV)/bin/tinypaged serve --model $(MODEL)
+	$(VENV)/bin/tinypaged serve
 
 generate: setup weights
-	$(VENV)/bin/tinypaged generate --model $(MODEL) "The capital of France is"
+	$(VENV)/bin/tinypaged generate "The capital of France is"
 
 # Two pytest processes: the kernel tests need TRITON_INTERPRET=1 set before triton is imported, and the
 # engine tests must not run the whole model through the interpreter. (`pytest`, not `python -m pytest`:
@@ -38,5 +38,6 @@ lint: setup
 	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks loadtest
 	$(VENV)/bin/ruff format --check tinypaged kernels weights tests benchmarks loadtest
 
+# Leaves the model cache alone: every checkout and installed copy shares it.
 clean:
-	rm -rf $(VENV) $(MODEL)
+	rm -rf $(VENV)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the default model (fetched and converted once by `make weights`), an engine on it, and
+"""Shared fixtures: the default model (fetched and converted once into the model cache), an engine on it, and
 HF transformers reading the original GGUF as the independent oracle (it has its own dequantization, tensor
 renaming, Q/K un-permutation and tokenizer builder)."""
 
@@ -15,7 +15,7 @@ from tinypaged.model import AttentionMetadata
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    """The converted default model; fetched if `make weights` has not run."""
+    """The converted default model in the model cache (`tinypaged_home()`); fetched if not there yet."""
     from tinypaged.weights import fetch_default_model
 
     return fetch_default_model()

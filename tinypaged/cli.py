@@ -12,10 +12,11 @@ from tinypaged.config import ConfigError
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """vLLM's engine arguments, with its names and meanings."""
-    from tinypaged.llm import DEFAULT_MODEL
-
     p.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL, help="model directory (HF layout, safetensors)"
+        "--model",
+        type=Path,
+        default=None,
+        help="model directory (default: the default model, fetched if missing)",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -50,8 +51,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - keeps `tinypaged --help` free of imports
     """The EngineConfig the engine arguments describe (the same fields `LLM(...)` takes)."""
     from tinypaged.config import EngineConfig
+    from tinypaged.weights.fetch import resolve_model
 
-    return EngineConfig.from_engine_args(args.model, **_engine_kwargs(args))
+    return EngineConfig.from_engine_args(resolve_model(args.model), **_engine_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -72,11 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tinypaged.llm import DEFAULT_MODEL, LLM
+    from tinypaged.llm import LLM
     from tinypaged.sampling_params import SamplingParams
 
-    if args.model == DEFAULT_MODEL and not DEFAULT_MODEL.is_dir():
-        raise ConfigError(f"the default model is not at {DEFAULT_MODEL}: run `tinypaged weights fetch` first")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     prompt = args.prompt
     llm = LLM(model=args.model, **_engine_kwargs(args))

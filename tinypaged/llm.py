@@ -11,7 +11,7 @@ from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.weights.fetch import DEFAULT_MODEL_DIR as DEFAULT_MODEL
+from tinypaged.weights.fetch import resolve_model
 
 
 class LLM:
@@ -19,7 +19,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path = DEFAULT_MODEL,
+        model: str | Path | None = None,
         *,
         dtype: str = "auto",
         device: str = "auto",
@@ -37,7 +37,7 @@ class LLM:
         async_scheduling: bool | None = None,
     ) -> None:
         self.config = EngineConfig.from_engine_args(
-            model,
+            resolve_model(model),
             dtype=dtype,
             device=device,
             seed=seed,

