@@ -48,9 +48,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
     def add_seq(self, tokens: list[int]) -> None:
         seq = Sequence(self._new_id(), tokens)
-        computed = self.kv.get_computed_blocks(seq)
-        assert computed % BS == 0 and computed < seq.num_tokens
-        seq.num_computed_tokens = computed
+        hit = self.kv.lookup_prefix(seq)
+        assert hit.num_tokens % BS == 0 and hit.num_tokens < seq.num_tokens
+        self.kv.take_prefix(seq, hit)
+        seq.num_computed_tokens = hit.num_tokens
         self.groups[seq.seq_id] = SequenceGroup(str(seq.seq_id), [seq], 0.0)
 
     @precondition(lambda self: self.groups)

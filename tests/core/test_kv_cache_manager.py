@@ -23,6 +23,14 @@ def compute(kv: KVCacheManager, shadow: ShadowCache, seq: Sequence, n: int) -> l
     return copies
 
 
+def admit(kv: KVCacheManager, seq: Sequence) -> int:
+    """What admission does to a new sequence: look up its cached prefix, take it; returns the tokens it covers."""
+    hit = kv.lookup_prefix(seq)
+    kv.take_prefix(seq, hit)
+    seq.num_computed_tokens = hit.num_tokens
+    return hit.num_tokens
+
+
 def test_allocate_slots_covers_positions_and_none_changes_nothing() -> None:
     kv = make(num_gpu=3)
     seq = Sequence(0, list(range(6)))
@@ -133,19 +141,18 @@ def test_prefix_hit_shares_full_blocks_but_never_the_last_token() -> None:
     kv = make(enable_prefix_caching=True)
     shadow = ShadowCache(4)
     first = Sequence(0, list(range(8)))
-    assert kv.get_computed_blocks(first) == 0
+    assert admit(kv, first) == 0
     compute(kv, shadow, first, 8)
     # Same 8-token prompt: only the first block is shared; the last block is recomputed for logits.
     same = Sequence(1, list(range(8)))
-    assert kv.get_computed_blocks(same) == 4
+    assert admit(kv, same) == 4
     assert kv.get_block_table(1) == kv.get_block_table(0)[:1]
     longer = Sequence(2, list(range(9)))
-    assert kv.get_computed_blocks(longer) == 8
+    assert admit(kv, longer) == 8
     other = Sequence(3, [0, 1, 2, 99, 4])
-    assert kv.get_computed_blocks(other) == 0
+    assert admit(kv, other) == 0
     assert kv.num_prefix_hit_blocks == 3
     for s in (same, longer):
-        s.num_computed_tokens = kv.get_block_table(s.seq_id).__len__() * 4
         shadow.check_seq(kv, s)
     kv.check_integrity()
 
@@ -158,8 +165,7 @@ def test_freed_prefix_stays_cached_until_evicted() -> None:
     kv.free(0)
     assert kv.num_free_gpu_blocks == 3
     b = Sequence(1, list(range(9)))
-    assert kv.get_computed_blocks(b) == 8
-    b.num_computed_tokens = 8
+    assert admit(kv, b) == 8
     shadow.check_seq(kv, b)
     kv.free(1)
     # Filling the cache with other tokens evicts the old prefix (lazily, when the blocks are needed).
@@ -167,7 +173,7 @@ def test_freed_prefix_stays_cached_until_evicted() -> None:
     compute(kv, shadow, c, 12)
     kv.free(2)
     d = Sequence(3, list(range(9)))
-    assert kv.get_computed_blocks(d) == 0
+    assert admit(kv, d) == 0
     assert kv.gpu_pool.num_evictions >= 2
     kv.free(3)
     kv.check_integrity()
@@ -180,9 +186,9 @@ def test_hash_collisions_are_misses_not_wrong_hits() -> None:
     a = Sequence(0, [1, 2, 3, 4, 5])
     compute(kv, shadow, a, 5)
     b = Sequence(1, [9, 9, 9, 9, 5])
-    assert kv.get_computed_blocks(b) == 0
+    assert admit(kv, b) == 0
     c = Sequence(2, [1, 2, 3, 4, 7])
-    assert kv.get_computed_blocks(c) == 4
+    assert admit(kv, c) == 4
     kv.check_integrity()
 
 
@@ -195,8 +201,7 @@ def test_chain_collision_with_another_parent_is_a_miss() -> None:
     b = Sequence(1, [1, 0, 5, 5, 3])  # block 0 collides with a's and stays private; block 1 is cached
     compute(kv, shadow, b, 5)
     c = Sequence(2, [0, 1, 5, 5, 3])  # block 0 hits a's; block 1 must not hit b's (other parent)
-    assert kv.get_computed_blocks(c) == 2
-    c.num_computed_tokens = 2
+    assert admit(kv, c) == 2
     shadow.check_seq(kv, c)
     kv.check_integrity()
 
