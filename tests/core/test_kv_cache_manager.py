@@ -220,10 +220,12 @@ def test_lookup_prefix_changes_nothing() -> None:
     kv = make(num_gpu=10, enable_prefix_caching=True)
     shadow = ShadowCache(4)
     freed = cached_then_freed(kv, shadow, 0, list(range(12)))
+    freed_later = cached_then_freed(kv, shadow, 7, [70 + i for i in range(8)])
     held = Sequence(1, [50 + i for i in range(9)])
     compute(kv, shadow, held, 9)  # its two full blocks are cached and in use
     free_queue = kv.gpu_pool.free_queue()
-    assert freed[0] in free_queue and freed[1] in free_queue  # free cached blocks, at the back in LRU order
+    # Free cached blocks sit at the back, least recently freed first: a lookup must not refresh them.
+    assert free_queue[-5:] == (*reversed(freed), *reversed(freed_later))
     probes = [
         Sequence(2, list(range(12)) + [7]),  # hits three free cached blocks
         Sequence(3, [50 + i for i in range(8)] + [9]),  # hits two blocks in use
