@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
@@ -71,6 +72,22 @@ class ShadowCache:
         )
 
 
+def manager_state(kv: KVCacheManager, seq_ids: Iterable[int]) -> tuple[Any, ...]:
+    """What a pure call must leave alone: every block (ref count, content, cache entry), the free queues in
+    order, these sequences' block tables, the prefix statistics and the eviction count."""
+    pools = tuple(
+        (
+            tuple((b.ref_count, b.content_id, b.block_hash, b.parent_id, b.token_ids) for b in pool.blocks),
+            pool.free_queue(),
+            pool.num_cached_blocks,
+            pool.num_evictions,
+        )
+        for pool in (kv.gpu_pool, kv.cpu_pool)
+    )
+    tables = {i: (kv.get_block_table(i), kv.is_swapped(i)) for i in seq_ids}
+    return pools, tables, kv.num_prefix_queried_blocks, kv.num_prefix_hit_blocks
+
+
 def run_step(sched: Scheduler, shadow: ShadowCache, next_token: int = 7) -> SchedulerOutput:
     """One engine step against the shadow cache: schedule, move blocks, check and write, update, sample."""
     kv = sched.kv
@@ -98,5 +115,5 @@ def run_step(sched: Scheduler, shadow: ShadowCache, next_token: int = 7) -> Sche
             seq = sched.get_seq(s.seq_id)
             assert seq is not None
             seq.append_token(next_token)
-    kv.check_integrity()
+    kv.check_integrity(waiting_seq_ids=[seq.seq_id for group in sched.waiting for seq in group.seqs])
     return out

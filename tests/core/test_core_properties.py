@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-from .shadow import ShadowCache, run_step
+from .shadow import ShadowCache, manager_state, run_step
 
 BS = 2
 SMALL = settings(
@@ -25,7 +25,7 @@ SMALL = settings(
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Allocate, append, fork, copy-on-write, free, swap out and in, prefix hits and evictions."""
+    """Prefix lookups and admission, allocate, append, fork, copy-on-write, free, swap out and in, evictions."""
 
     hash_fn = None  # subclasses force collisions
 
@@ -34,7 +34,8 @@ class ManagerMachine(RuleBasedStateMachine):
         kw = {} if self.hash_fn is None else {"hash_fn": self.hash_fn}
         self.kv = KVCacheManager(BS, 10, 6, watermark=0.0, enable_prefix_caching=True, **kw)
         self.shadow = ShadowCache(BS)
-        self.groups: dict[int, SequenceGroup] = {}
+        self.groups: dict[int, SequenceGroup] = {}  # admitted: they hold block tables
+        self.waiting: dict[int, list[Sequence]] = {}  # not admitted yet: only looked up
         self.next_id = 0
 
     def _new_id(self) -> int:
@@ -45,13 +46,76 @@ class ManagerMachine(RuleBasedStateMachine):
         groups = [g for g in self.groups.values() if self.kv.is_swapped(g.seqs[0].seq_id) == on_cpu]
         return data.draw(st.sampled_from(groups)) if groups else None
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
-    def add_seq(self, tokens: list[int]) -> None:
-        seq = Sequence(self._new_id(), tokens)
-        computed = self.kv.get_computed_blocks(seq)
-        assert computed % BS == 0 and computed < seq.num_tokens
-        seq.num_computed_tokens = computed
-        self.groups[seq.seq_id] = SequenceGroup(str(seq.seq_id), [seq], 0.0)
+    def _state(self) -> object:
+        seq_ids = [s.seq_id for g in self.groups.values() for s in g.seqs]
+        return manager_state(self.kv, seq_ids + [s.seq_id for seqs in self.waiting.values() for s in seqs])
+
+    def _lookup(self, seq: Sequence) -> PrefixHit:
+        """lookup_prefix, checked: it changes nothing, and the hit blocks hold exactly this prefix's K/V."""
+        before = self._state()
+        hit = self.kv.lookup_prefix(seq)
+        assert self._state() == before, "lookup_prefix changed the manager"
+        assert hit.num_tokens == len(hit.block_ids) * BS < seq.num_tokens
+        assert len(hit.block_hashes) == len(hit.block_ids)
+        self.shadow.check_prefix(hit.block_ids, seq.token_ids, hit.num_tokens)
+        return hit
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9), data=st.data())
+    def add_group(self, prompt: list[int], data: st.DataObject) -> None:
+        # Several sequences sharing a prompt: a group preempted by recompute after forking (n > 1).
+        tails = data.draw(st.lists(st.lists(st.integers(0, 2), max_size=3), min_size=1, max_size=3))
+        seqs = [Sequence(self._new_id(), prompt + tail) for tail in tails]
+        self.waiting[seqs[0].seq_id] = seqs
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        for seq in self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]:
+            self._lookup(seq)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def grow_waiting(self, data: st.DataObject) -> None:
+        # A waiting sequence's tokens only grow by appends (a recompute's pending token resolving).
+        seqs = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
+        data.draw(st.sampled_from(seqs)).append_token(data.draw(st.integers(0, 2)))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def drop_waiting(self, data: st.DataObject) -> None:
+        for seq in self.waiting.pop(data.draw(st.sampled_from(sorted(self.waiting)))):
+            self.kv.free(seq.seq_id)  # aborted before admission
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.waiting)))
+        seqs = self.waiting[key]
+        hits = {seq.seq_id: self._lookup(seq) for seq in seqs}
+        # A chunk for the first k sequences (a budget may cut the rest); every sequence takes its hit.
+        k = data.draw(st.integers(1, len(seqs)))
+        items = [
+            (seq, data.draw(st.integers(1, seq.num_tokens - hits[seq.seq_id].num_tokens))) for seq in seqs[:k]
+        ]
+        need = self.kv.blocks_needed(items, hits)
+        free = self.kv.num_free_gpu_blocks
+        if need > free:
+            return
+        counters = (self.kv.num_prefix_queried_blocks, self.kv.num_prefix_hit_blocks)
+        for seq in seqs:
+            self.kv.take_prefix(seq, hits[seq.seq_id])
+            seq.num_computed_tokens = hits[seq.seq_id].num_tokens
+        assert self.kv.allocate_group_slots(items) == []  # nothing to copy on write past a hit
+        assert self.kv.num_free_gpu_blocks == free - need, "blocks_needed with hits is not exact"
+        # The statistics count each admitted sequence once: every full block short of its last token queried.
+        assert self.kv.num_prefix_queried_blocks == counters[0] + sum((s.num_tokens - 1) // BS for s in seqs)
+        assert self.kv.num_prefix_hit_blocks == counters[1] + sum(len(h.block_ids) for h in hits.values())
+        for seq, n in items:
+            self.shadow.write(self.kv.get_block_table(seq.seq_id), seq.token_ids, seq.num_computed_tokens, n)
+            seq.num_computed_tokens += n
+            self.kv.cache_block(seq)
+        del self.waiting[key]
+        self.groups[key] = SequenceGroup(str(key), seqs, 0.0)
 
     @precondition(lambda self: self.groups)
     @rule(data=st.data())
@@ -116,7 +180,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        self.kv.check_integrity()
+        self.kv.check_integrity(waiting_seq_ids=[s.seq_id for seqs in self.waiting.values() for s in seqs])
         for group in self.groups.values():
             for seq in group.seqs:
                 self.shadow.check_seq(self.kv, seq)
@@ -125,7 +189,10 @@ class ManagerMachine(RuleBasedStateMachine):
         for group in self.groups.values():
             for seq in group.seqs:
                 self.kv.free(seq.seq_id)
-        self.kv.check_integrity()
+        for seqs in self.waiting.values():
+            for seq in seqs:
+                self.kv.free(seq.seq_id)
+        self.kv.check_integrity(waiting_seq_ids=())
         assert self.kv.num_free_gpu_blocks == self.kv.num_gpu_blocks
         assert self.kv.num_free_cpu_blocks == self.kv.num_cpu_blocks
 

@@ -2,10 +2,11 @@
 
 import pytest
 
+from tinypaged.core.block_pool import BlockHash, hash_block_tokens
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.sequence import Sequence, SequenceGroup
 
-from .shadow import ShadowCache
+from .shadow import ShadowCache, manager_state
 
 
 def make(num_gpu: int = 8, num_cpu: int = 8, bs: int = 4, **kw: object) -> KVCacheManager:
@@ -21,6 +22,14 @@ def compute(kv: KVCacheManager, shadow: ShadowCache, seq: Sequence, n: int) -> l
     seq.num_computed_tokens += n
     kv.cache_block(seq)
     return copies
+
+
+def admit(kv: KVCacheManager, seq: Sequence) -> int:
+    """What admission does to a new sequence: look up its cached prefix, take it; returns the tokens it covers."""
+    hit = kv.lookup_prefix(seq)
+    kv.take_prefix(seq, hit)
+    seq.num_computed_tokens = hit.num_tokens
+    return hit.num_tokens
 
 
 def test_allocate_slots_covers_positions_and_none_changes_nothing() -> None:
@@ -133,19 +142,18 @@ def test_prefix_hit_shares_full_blocks_but_never_the_last_token() -> None:
     kv = make(enable_prefix_caching=True)
     shadow = ShadowCache(4)
     first = Sequence(0, list(range(8)))
-    assert kv.get_computed_blocks(first) == 0
+    assert admit(kv, first) == 0
     compute(kv, shadow, first, 8)
     # Same 8-token prompt: only the first block is shared; the last block is recomputed for logits.
     same = Sequence(1, list(range(8)))
-    assert kv.get_computed_blocks(same) == 4
+    assert admit(kv, same) == 4
     assert kv.get_block_table(1) == kv.get_block_table(0)[:1]
     longer = Sequence(2, list(range(9)))
-    assert kv.get_computed_blocks(longer) == 8
+    assert admit(kv, longer) == 8
     other = Sequence(3, [0, 1, 2, 99, 4])
-    assert kv.get_computed_blocks(other) == 0
+    assert admit(kv, other) == 0
     assert kv.num_prefix_hit_blocks == 3
     for s in (same, longer):
-        s.num_computed_tokens = kv.get_block_table(s.seq_id).__len__() * 4
         shadow.check_seq(kv, s)
     kv.check_integrity()
 
@@ -158,8 +166,7 @@ def test_freed_prefix_stays_cached_until_evicted() -> None:
     kv.free(0)
     assert kv.num_free_gpu_blocks == 3
     b = Sequence(1, list(range(9)))
-    assert kv.get_computed_blocks(b) == 8
-    b.num_computed_tokens = 8
+    assert admit(kv, b) == 8
     shadow.check_seq(kv, b)
     kv.free(1)
     # Filling the cache with other tokens evicts the old prefix (lazily, when the blocks are needed).
@@ -167,7 +174,7 @@ def test_freed_prefix_stays_cached_until_evicted() -> None:
     compute(kv, shadow, c, 12)
     kv.free(2)
     d = Sequence(3, list(range(9)))
-    assert kv.get_computed_blocks(d) == 0
+    assert admit(kv, d) == 0
     assert kv.gpu_pool.num_evictions >= 2
     kv.free(3)
     kv.check_integrity()
@@ -180,9 +187,9 @@ def test_hash_collisions_are_misses_not_wrong_hits() -> None:
     a = Sequence(0, [1, 2, 3, 4, 5])
     compute(kv, shadow, a, 5)
     b = Sequence(1, [9, 9, 9, 9, 5])
-    assert kv.get_computed_blocks(b) == 0
+    assert admit(kv, b) == 0
     c = Sequence(2, [1, 2, 3, 4, 7])
-    assert kv.get_computed_blocks(c) == 4
+    assert admit(kv, c) == 4
     kv.check_integrity()
 
 
@@ -195,10 +202,137 @@ def test_chain_collision_with_another_parent_is_a_miss() -> None:
     b = Sequence(1, [1, 0, 5, 5, 3])  # block 0 collides with a's and stays private; block 1 is cached
     compute(kv, shadow, b, 5)
     c = Sequence(2, [0, 1, 5, 5, 3])  # block 0 hits a's; block 1 must not hit b's (other parent)
-    assert kv.get_computed_blocks(c) == 2
-    c.num_computed_tokens = 2
+    assert admit(kv, c) == 2
     shadow.check_seq(kv, c)
     kv.check_integrity()
+
+
+def cached_then_freed(kv: KVCacheManager, shadow: ShadowCache, seq_id: int, tokens: list[int]) -> list[int]:
+    """Compute a sequence and free it: its full blocks stay cached in the free queue; returns its table."""
+    seq = Sequence(seq_id, tokens)
+    compute(kv, shadow, seq, len(tokens))
+    table = kv.get_block_table(seq_id)
+    kv.free(seq_id)
+    return table
+
+
+def test_lookup_prefix_changes_nothing() -> None:
+    kv = make(num_gpu=10, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    freed = cached_then_freed(kv, shadow, 0, list(range(12)))
+    freed_later = cached_then_freed(kv, shadow, 7, [70 + i for i in range(8)])
+    held = Sequence(1, [50 + i for i in range(9)])
+    compute(kv, shadow, held, 9)  # its two full blocks are cached and in use
+    free_queue = kv.gpu_pool.free_queue()
+    # Free cached blocks sit at the back, least recently freed first: a lookup must not refresh them.
+    assert free_queue[-5:] == (*reversed(freed), *reversed(freed_later))
+    probes = [
+        Sequence(2, list(range(12)) + [7]),  # hits three free cached blocks
+        Sequence(3, [50 + i for i in range(8)] + [9]),  # hits two blocks in use
+        Sequence(4, list(range(4)) + [99] * 5),  # hits one, then misses
+        Sequence(5, [98] * 9),  # misses
+        Sequence(6, [1]),  # nothing to look up
+    ]
+    before = manager_state(kv, range(7))
+    hits = [kv.lookup_prefix(seq) for seq in probes]
+    assert [kv.lookup_prefix(seq) for seq in probes] == hits  # again, from the hash memo
+    assert manager_state(kv, range(7)) == before
+    assert [h.num_tokens for h in hits] == [12, 8, 4, 0, 0]
+    assert hits[0].block_ids == tuple(freed[:3]) and hits[1].block_ids == tuple(kv.get_block_table(1)[:2])
+    assert all(len(h.block_hashes) == len(h.block_ids) for h in hits)
+    kv.check_integrity(waiting_seq_ids=[2, 3, 4, 5, 6])
+    # Taking a hit is what changes state: free cached hit blocks leave the free queue, the statistics count.
+    kv.take_prefix(probes[0], hits[0])
+    assert kv.gpu_pool.free_queue() == tuple(b for b in free_queue if b not in freed[:3])
+    assert kv.get_block_table(2) == freed[:3]
+    assert (kv.num_prefix_queried_blocks, kv.num_prefix_hit_blocks) == (3, 3)
+    kv.check_integrity(waiting_seq_ids=[3, 4, 5, 6])
+
+
+def test_blocks_needed_counts_each_free_hit_block_once() -> None:
+    # A group preempted by recompute after forking: its sequences share their prompt, so they hit the same blocks.
+    kv = make(num_gpu=10, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    prompt = list(range(8))
+    cached_then_freed(kv, shadow, 0, prompt + [8])  # blocks [0:4] and [4:8] cached, free
+    group = [Sequence(1, prompt + [20, 21]), Sequence(2, prompt + [30, 31, 32, 33, 34])]
+    hits = {seq.seq_id: kv.lookup_prefix(seq) for seq in group}
+    assert hits[1].block_ids == hits[2].block_ids and len(hits[1].block_ids) == 2
+    items = [(group[0], 2), (group[1], 5)]
+    need = kv.blocks_needed(items, hits)
+    assert need == 2 + 1 + 2  # the two shared hit blocks once, then 1 and 2 blocks past the hit
+    free = kv.num_free_gpu_blocks
+    for seq in group:
+        kv.take_prefix(seq, hits[seq.seq_id])
+        seq.num_computed_tokens = hits[seq.seq_id].num_tokens
+    assert kv.allocate_group_slots(items) == []
+    assert kv.num_free_gpu_blocks == free - need
+    # Hit blocks in use cost nothing: a third sequence of the same prompt only needs its new block.
+    third = Sequence(3, prompt + [40])
+    assert kv.blocks_needed([(third, 1)], {3: kv.lookup_prefix(third)}) == 1
+    kv.free(3)
+    kv.check_integrity(waiting_seq_ids=())
+
+
+def test_waiting_sequence_hashes_each_block_once() -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def counting_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+        calls.append(tokens)
+        return hash_block_tokens(parent, tokens)
+
+    kv = make(num_gpu=10, enable_prefix_caching=True, hash_fn=counting_hash)
+    shadow = ShadowCache(4)
+    cached_then_freed(kv, shadow, 0, list(range(17)))  # four full blocks cached
+    calls.clear()
+    blocked = Sequence(1, list(range(8)) + [50, 51, 52, 53, 54])  # blocks 0 and 1 hit, block 2 misses
+    for _ in range(5):
+        assert kv.lookup_prefix(blocked).num_tokens == 8
+    assert calls == [(0, 1, 2, 3), (4, 5, 6, 7), (50, 51, 52, 53)]  # the miss is hashed once too
+    calls.clear()
+    growing = Sequence(2, list(range(9)))
+    assert kv.lookup_prefix(growing).num_tokens == 8
+    # Appending (a recompute's pending tokens resolving) adds a candidate block: only that one is hashed.
+    for token in (9, 10, 11, 12):
+        growing.append_token(token)
+    assert kv.lookup_prefix(growing).num_tokens == 12
+    assert calls == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    kv.free(2)  # aborted while waiting
+    kv.check_integrity(waiting_seq_ids=[1])
+    with pytest.raises(AssertionError):
+        kv.check_integrity(waiting_seq_ids=[])  # the memo outlived the wait
+    kv.take_prefix(blocked, kv.lookup_prefix(blocked))
+    kv.check_integrity(waiting_seq_ids=[])  # admitted: the memo is gone
+
+
+def test_lookup_skips_blocks_holding_pending_tokens() -> None:
+    kv = make(num_gpu=10, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    cached_then_freed(kv, shadow, 0, list(range(13)))
+    seq = Sequence(1, list(range(6)))
+    seq.add_pending()
+    seq.add_pending()
+    seq.add_pending()  # 9 tokens, the last three still on the device: block 1 is not known yet
+    assert kv.lookup_prefix(seq).num_tokens == 4
+    for token in (6, 7, 8):
+        seq.resolve_pending(token)
+    hit = kv.lookup_prefix(seq)  # the memo holds no hash of a partial block 1: now it hits
+    assert hit.num_tokens == 8
+    kv.take_prefix(seq, hit)
+    seq.num_computed_tokens = 8
+    shadow.check_seq(kv, seq)
+
+
+def test_take_prefix_refuses_a_hit_gone_stale() -> None:
+    kv = make(num_gpu=3, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    cached_then_freed(kv, shadow, 0, list(range(5)))
+    seq = Sequence(1, list(range(5)))
+    hit = kv.lookup_prefix(seq)
+    assert hit.num_tokens == 4
+    compute(kv, shadow, Sequence(2, [9] * 12), 12)  # takes every block: the hit block is evicted and reused
+    with pytest.raises(AssertionError, match="stale"):
+        kv.take_prefix(seq, hit)
 
 
 def test_watermark_and_sizes_are_checked() -> None:

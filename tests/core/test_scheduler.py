@@ -5,11 +5,12 @@ import itertools
 
 import pytest
 
+from tinypaged.core.block_pool import BlockHash, HashFn, hash_block_tokens
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-from .shadow import ShadowCache, run_step
+from .shadow import ShadowCache, manager_state, run_step
 
 _ids = itertools.count()
 
@@ -25,8 +26,11 @@ def make(
     chunked: bool = True,
     caching: bool = False,
     watermark: float = 0.0,
+    hash_fn: HashFn = hash_block_tokens,
 ) -> tuple[Scheduler, ShadowCache]:
-    kv = KVCacheManager(bs, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
+    kv = KVCacheManager(
+        bs, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching, hash_fn=hash_fn
+    )
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, mode, chunked)  # type: ignore[arg-type]
     return Scheduler(cfg, kv), ShadowCache(bs)
 
@@ -309,6 +313,75 @@ def test_prefix_caching_skips_computed_blocks() -> None:
     sched.finish_seq(first, SequenceStatus.FINISHED_STOPPED)
     add(sched, "b", list(range(10)) + [42], 1)
     assert shape(run_step(sched, shadow)) == [("b", 8, 3, True)]
+
+
+def test_blocked_request_leaves_the_cache_alone_and_hashes_its_prompt_once() -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def counting_hash(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+        calls.append(tokens)
+        return hash_block_tokens(parent, tokens)
+
+    sched, shadow = make(num_gpu=8, bs=16, budget=128, max_model_len=128, caching=True, hash_fn=counting_hash)
+    kv = sched.kv
+    a = add(sched, "a", list(range(32)), 0)
+    run_step(sched, shadow)
+    a_blocks = kv.get_block_table(a.seq_id)
+    sched.finish_seq(a, SequenceStatus.FINISHED_STOPPED)  # its two full blocks stay cached, free
+    hog = add(sched, "hog", [1000 + i for i in range(81)], 1)  # 6 blocks; decodes 15 tokens in its last one
+    run_step(sched, shadow)
+    assert kv.num_free_gpu_blocks == 2 and set(kv.gpu_pool.free_queue()) == set(a_blocks)
+    # b hits a's two free blocks; taking them and the 2 new blocks past them needs 4 of the 2 free.
+    b = add(sched, "b", list(range(32)) + [200 + i for i in range(20)], 2)
+    seq_ids = [a.seq_id, hog.seq_id, b.seq_id]
+    counters = (kv.num_prefix_queried_blocks, kv.num_prefix_hit_blocks)
+    calls.clear()
+    for step in range(10):
+        before = manager_state(kv, seq_ids)
+        out = run_step(sched, shadow)
+        assert [s.request_id for s in out.scheduled] == ["hog"]
+        assert manager_state(kv, seq_ids) == before, f"step {step} changed the KV cache manager"
+        assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0
+        # The first lookup hashes b's blocks up to its first miss; later steps reuse the memo.
+        assert len(calls) == 3, f"step {step}: {len(calls)} hashes"
+    sched.finish_seq(hog, SequenceStatus.FINISHED_STOPPED)
+    assert shape(run_step(sched, shadow)) == [("b", 32, 20, True)]  # run_step checks b reads a's K/V
+    assert kv.get_block_table(b.seq_id)[:2] == a_blocks
+    # Queried: (52 - 1) // 16 = 3 candidate blocks, 2 of them hit; once, not once per blocked step.
+    assert (kv.num_prefix_queried_blocks, kv.num_prefix_hit_blocks) == (counters[0] + 3, counters[1] + 2)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2], ids=["one_seq", "group_of_two"])
+@pytest.mark.parametrize("spare", [0, -1], ids=["exactly_enough", "one_short"])
+def test_admission_counts_free_cached_hit_blocks(num_seqs: int, spare: int) -> None:
+    """Hit blocks that are free (ref count 0, cached) leave the free queue when taken: they count as needed
+    blocks, once for a group whose sequences share them. Exactly enough free blocks admit; one fewer refuse."""
+    sched, shadow = make(num_gpu=10, caching=True)
+    kv = sched.kv
+    a = add(sched, "a", list(range(9)), 0)
+    run_step(sched, shadow)
+    a_blocks = kv.get_block_table(a.seq_id)
+    sched.finish_seq(a, SequenceStatus.FINISHED_STOPPED)  # blocks [0:4] and [4:8] cached, free
+    # Each sequence: the 2 free hit blocks (shared by the group) and 2 new blocks for its last 5 tokens.
+    need = 2 + 2 * num_seqs
+    hog_blocks = kv.num_gpu_blocks - need - spare
+    hog = add(sched, "hog", [1000 + i for i in range(4 * hog_blocks - 3)], 1)  # decodes inside its last block
+    run_step(sched, shadow)
+    assert kv.num_free_gpu_blocks == need + spare
+    seqs = [
+        Sequence(next(_ids), list(range(8)) + [50 + 10 * i + j for j in range(5)]) for i in range(num_seqs)
+    ]
+    sched.add_seq_group(SequenceGroup("g", seqs, 2))
+    before = manager_state(kv, [a.seq_id, hog.seq_id] + [s.seq_id for s in seqs])
+    out = run_step(sched, shadow)
+    if spare < 0:
+        assert shape(out) == [("hog", 4 * hog_blocks - 3, 1, True)]
+        assert manager_state(kv, [a.seq_id, hog.seq_id] + [s.seq_id for s in seqs]) == before
+        assert all(s.status == SequenceStatus.WAITING for s in seqs)
+        return
+    assert shape(out) == [("hog", 4 * hog_blocks - 3, 1, True)] + [("g", 8, 5, True)] * num_seqs
+    assert kv.num_free_gpu_blocks == 0
+    assert all(kv.get_block_table(s.seq_id)[:2] == a_blocks[:2] for s in seqs)
 
 
 def test_config_is_validated() -> None:

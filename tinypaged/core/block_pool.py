@@ -61,6 +61,10 @@ class BlockPool:
         """Blocks currently in the prefix-cache map (in use or free)."""
         return len(self._cached)
 
+    def free_queue(self) -> tuple[int, ...]:
+        """The free block ids in the order allocate() hands them out (cached ones last, least recent first)."""
+        return tuple(self._free)
+
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold this block."""
         return self.blocks[block_id].ref_count

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 from tinypaged.core.block_pool import BlockHash, BlockPool, HashFn, hash_block_tokens
 from tinypaged.core.sequence import Sequence, SequenceGroup
@@ -11,6 +12,19 @@ from tinypaged.core.sequence import Sequence, SequenceGroup
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached full blocks a sequence's tokens begin with, as found by lookup_prefix (nothing taken yet)."""
+
+    block_ids: tuple[int, ...]
+    # Per hit block: (chained hash, content_id the next block chains to), as cache_block records them.
+    block_hashes: tuple[tuple[BlockHash, int], ...]
+    num_tokens: int  # tokens these blocks hold: the sequence's num_computed_tokens once they are taken
+
+
+_NO_HIT = PrefixHit((), (), 0)
 
 
 class KVCacheManager:
@@ -43,6 +57,11 @@ class KVCacheManager:
         # Per sequence, for its leading full computed blocks: (chained hash, content_id that the next block
         # chains to). Prefix caching only.
         self._block_hashes: dict[int, list[tuple[BlockHash, int]]] = {}
+        # Per waiting sequence (no block table yet): the chained hashes of its leading full blocks, so a request
+        # that waits many steps hashes each block once. They depend on token ids alone, which only grow by
+        # appends while a sequence waits. Dropped when it is admitted (take_prefix) or freed.
+        self._waiting_hashes: dict[int, list[BlockHash]] = {}
+        # Counted once per admitted sequence (take_prefix), not per lookup.
         self.num_prefix_queried_blocks = 0
         self.num_prefix_hit_blocks = 0
 
@@ -70,13 +89,25 @@ class KVCacheManager:
         """True while the sequence's blocks live in the CPU pool."""
         return seq_id in self._on_cpu
 
-    def blocks_needed(self, items: Iterable[tuple[Sequence, int]]) -> int:
-        """New blocks that allocate_slots would take for these (seq, num_new_tokens), in this order."""
+    def blocks_needed(
+        self, items: Iterable[tuple[Sequence, int]], hits: Mapping[int, PrefixHit] | None = None
+    ) -> int:
+        """New blocks that allocate_slots would take for these (seq, num_new_tokens), in this order; with hits
+        (seq id -> its lookup_prefix hit, not taken yet), the free blocks that taking them first would use too."""
         # Simulates copy-on-write ref counts locally: after one sibling copies a shared block, the next may
         # write into it in place. Exact, so a group allocation that passes this check cannot fail midway.
+        hits = hits or {}
+        # A free cached block that a hit takes leaves the free queue: it costs a block like a new one, once
+        # however many sequences of the group hit it.
+        need = len({b for hit in hits.values() for b in hit.block_ids if self.gpu_pool.ref_count(b) == 0})
         local_refs: dict[int, int] = {}
-        need = 0
         for seq, num_new in items:
+            hit = hits.get(seq.seq_id)
+            if hit is not None:
+                # Not taken yet: its table will be the hit, whole blocks, so its new tokens start a new block.
+                assert seq.seq_id not in self._tables, f"seq {seq.seq_id} already holds a block table"
+                need += cdiv(num_new, self.block_size)
+                continue
             table = self._tables.get(seq.seq_id, [])
             pool = self.cpu_pool if seq.seq_id in self._on_cpu else self.gpu_pool
             first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -133,6 +164,7 @@ class KVCacheManager:
         """Release the sequence's blocks (no-op if it holds none)."""
         table = self._tables.pop(seq_id, None)
         self._block_hashes.pop(seq_id, None)
+        self._waiting_hashes.pop(seq_id, None)
         pool = self.cpu_pool if seq_id in self._on_cpu else self.gpu_pool
         self._on_cpu.discard(seq_id)
         # Last block first: with prefix caching the tail of a chain is then evicted before its head.
@@ -189,33 +221,49 @@ class KVCacheManager:
         return list(mapping.items())
 
     # ---- prefix caching ------------------------------------------------------------------------------
-    def get_computed_blocks(self, seq: Sequence) -> int:
-        """Share the cached full blocks of a new sequence's tokens; returns how many tokens are computed."""
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """The cached full blocks a new sequence's tokens begin with; reads the pool only, takes nothing."""
         if not self.enable_prefix_caching:
-            return 0
+            return _NO_HIT
         assert seq.seq_id not in self._tables and seq.num_computed_tokens == 0, "not a new sequence"
+        hashes = self._waiting_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        table: list[int] = []
-        hashes: list[tuple[BlockHash, int]] = []
-        parent_hash: BlockHash | None = None
+        block_ids: list[int] = []
+        pairs: list[tuple[BlockHash, int]] = []
         parent_id: int | None = None
-        # Never the whole sequence: its last token must go through the model so that logits come out.
-        num_candidates = (seq.num_tokens - 1) // bs
-        for i in range(num_candidates):
+        for i in range(self._num_prefix_candidates(seq)):
             token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block_hash = self._hash_fn(parent_hash, token_ids)
-            block_id = self.gpu_pool.lookup(block_hash, parent_id, token_ids)
+            if i == len(hashes):
+                hashes.append(self._hash_fn(hashes[-1] if hashes else None, token_ids))
+            block_id = self.gpu_pool.lookup(hashes[i], parent_id, token_ids)
             if block_id is None:
                 break
+            parent_id = self.gpu_pool.content_id(block_id)
+            block_ids.append(block_id)
+            pairs.append((hashes[i], parent_id))
+        return PrefixHit(tuple(block_ids), tuple(pairs), len(block_ids) * bs)
+
+    def take_prefix(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Admit a new sequence with its hit (from lookup_prefix in this step): share the hit blocks as the start
+        of its block table and count the prefix statistics; the caller sets num_computed_tokens = hit.num_tokens."""
+        assert seq.seq_id not in self._tables and seq.num_computed_tokens == 0, "not a new sequence"
+        self._waiting_hashes.pop(seq.seq_id, None)
+        self._tables[seq.seq_id] = list(hit.block_ids)
+        if not self.enable_prefix_caching:
+            assert not hit.block_ids, "a prefix hit without prefix caching"
+            return
+        for block_id, (_, content_id) in zip(hit.block_ids, hit.block_hashes, strict=True):
+            # Allocation since the lookup may have evicted and reused the block: a hit is good until then only.
+            assert self.gpu_pool.content_id(block_id) == content_id, f"stale prefix hit on block {block_id}"
             self.gpu_pool.incref(block_id)
-            table.append(block_id)
-            parent_hash, parent_id = block_hash, self.gpu_pool.content_id(block_id)
-            hashes.append((parent_hash, parent_id))
-        self.num_prefix_queried_blocks += num_candidates
-        self.num_prefix_hit_blocks += len(table)
-        self._tables[seq.seq_id] = table
-        self._block_hashes[seq.seq_id] = hashes
-        return len(table) * bs
+        self._block_hashes[seq.seq_id] = list(hit.block_hashes)
+        self.num_prefix_queried_blocks += self._num_prefix_candidates(seq)
+        self.num_prefix_hit_blocks += len(hit.block_ids)
+
+    def _num_prefix_candidates(self, seq: Sequence) -> int:
+        # Never the whole sequence: its last token must go through the model so that logits come out. And only
+        # blocks whose tokens the host knows (none pending), so a memoized hash never covers a partial block.
+        return min((seq.num_tokens - 1) // self.block_size, len(seq.token_ids) // self.block_size)
 
     def cache_block(self, seq: Sequence) -> None:
         """Register the sequence's newly full, computed blocks in the prefix cache."""
@@ -234,8 +282,9 @@ class KVCacheManager:
             hashes.append((block_hash, content_id))
 
     # ---- invariants ----------------------------------------------------------------------------------
-    def check_integrity(self) -> None:
-        """Raise AssertionError if ref counts, free lists or the prefix-cache map are inconsistent."""
+    def check_integrity(self, waiting_seq_ids: Collection[int] | None = None) -> None:
+        """Raise AssertionError if ref counts, free lists or the prefix-cache map are inconsistent; given the
+        ids of the sequences waiting for admission, also if a hash memo is kept for any other sequence."""
         gpu_refs: dict[int, int] = {}
         cpu_refs: dict[int, int] = {}
         for seq_id, table in self._tables.items():
@@ -247,6 +296,11 @@ class KVCacheManager:
             assert len(hashes) <= len(table), f"seq {seq_id} has hashes for blocks it does not hold"
         assert self._on_cpu <= self._tables.keys(), "swapped seq without a block table"
         assert self._block_hashes.keys() <= self._tables.keys(), "hashes kept for a freed seq"
+        assert self._waiting_hashes.keys().isdisjoint(self._tables.keys()), (
+            "hash memo kept for an admitted seq"
+        )
+        if waiting_seq_ids is not None:
+            assert self._waiting_hashes.keys() <= set(waiting_seq_ids), "hash memo kept for a seq not waiting"
         self.gpu_pool.check_integrity(gpu_refs)
         self.cpu_pool.check_integrity(cpu_refs)
         for block in self.gpu_pool.blocks:

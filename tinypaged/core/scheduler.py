@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tinypaged.core.kv_cache_manager import KVCacheManager, cdiv
+from tinypaged.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from tinypaged.core.schedule_types import PreemptionMode, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -255,16 +255,16 @@ class Scheduler:
                 continue
             if self.running and num_running_seqs + len(seqs) > self.config.max_num_seqs:
                 return
-            for seq in seqs:
-                seq.num_computed_tokens = self.kv.get_computed_blocks(seq)
-            items = self._chunk(seqs, st)
+            # Look without taking: a group refused here leaves the KV cache manager exactly as it found it.
+            hits = {seq.seq_id: self.kv.lookup_prefix(seq) for seq in seqs}
+            items = self._chunk(seqs, st, hits)
             # The watermark keeps room for running sequences to grow; with nothing running it only stalls.
             reserve = self.kv.watermark_blocks if self.running else 0
-            if not items or self.kv.num_free_gpu_blocks - self.kv.blocks_needed(items) < reserve:
-                for seq in seqs:
-                    self.kv.free(seq.seq_id)
-                    seq.num_computed_tokens = 0
+            if not items or self.kv.num_free_gpu_blocks - self.kv.blocks_needed(items, hits) < reserve:
                 return
+            for seq in seqs:
+                self.kv.take_prefix(seq, hits[seq.seq_id])
+                seq.num_computed_tokens = hits[seq.seq_id].num_tokens
             copies = self.kv.allocate_group_slots(items)
             assert copies is not None, "admission checked the blocks this chunk needs"
             self.waiting.pop(0)
@@ -274,12 +274,16 @@ class Scheduler:
             st.commit(group, items, copies)
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _chunk(self, seqs: list[Sequence], st: _Step) -> list[tuple[Sequence, int]]:
-        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget."""
+    def _chunk(
+        self, seqs: list[Sequence], st: _Step, hits: dict[int, PrefixHit] | None = None
+    ) -> list[tuple[Sequence, int]]:
+        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget; a waiting
+        sequence's chunk starts after its prefix hit."""
         items: list[tuple[Sequence, int]] = []
         budget, seqs_left = st.budget, st.seqs_left
         for seq in seqs:
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            computed = hits[seq.seq_id].num_tokens if hits is not None else seq.num_computed_tokens
+            remaining = seq.num_tokens - computed
             if remaining <= 0:
                 continue
             n = min(remaining, budget)
