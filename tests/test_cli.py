@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,7 +112,7 @@ def test_default_model_is_fetched_when_missing(
         (lambda tmp, tiny: tiny, ["--max-tokens", "0", "Hi"], "max_tokens must be at least 1"),
         (lambda tmp, tiny: tiny, ["--max-tokens", "-4", "Hi"], "max_tokens must be at least 1"),
         (lambda tmp, tiny: tiny, [""], "the prompt is empty"),
-        (lambda tmp, tiny: tiny, ["word " * 100], "more than max_model_len (64)"),
+        (lambda tmp, tiny: tiny, ["word " * 100], "maximum context length is 64 tokens"),
         (lambda tmp, tiny: tiny, ["--max-model-len", "1000", "Hi"], "exceeds the model's context"),
         (lambda tmp, tiny: tiny, ["--block-size", "3", "Hi"], "block_size"),
     ],
@@ -137,3 +139,13 @@ def test_bad_input_one_error_line(capsys, tmp_path: Path, tiny_model: Path, make
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert message in lines[0]
+
+
+def test_help_imports_no_torch() -> None:
+    """`tinypaged --help` answers at once: building the parser imports neither torch nor the engine."""
+    code = (
+        "import sys; from tinypaged.cli import build_parser; build_parser(); "
+        "print(sorted({'torch', 'tinypaged.engine'} & sys.modules.keys()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tinypaged.config import ConfigError, EngineConfig, ModelConfig
+from tinypaged.config import ConfigError, EngineConfig
 
 MISTRAL = {
     "architectures": ["MistralForCausalLM"],
@@ -21,25 +22,71 @@ MISTRAL = {
 }
 
 
-def _model(**overrides: object) -> ModelConfig:
-    return ModelConfig.from_dict(Path("m"), MISTRAL | overrides)
+@pytest.fixture
+def model(tmp_path: Path):  # noqa: ANN201
+    """A model directory holding only config.json (all EngineConfig reads), MISTRAL with overrides."""
+
+    def make(**overrides: object) -> Path:
+        (tmp_path / "config.json").write_text(json.dumps(MISTRAL | overrides))
+        return tmp_path
+
+    return make
 
 
-def test_sliding_window_caps_the_default_length() -> None:
-    cfg = EngineConfig(model=_model(sliding_window=4096))
-    assert cfg.model.sliding_window == 4096 and cfg.max_model_len == 4096
-    assert EngineConfig(model=_model(sliding_window=4096), max_model_len=1000).max_model_len == 1000
+def test_sliding_window_caps_the_default_length(model) -> None:
+    cfg = EngineConfig(model=model(sliding_window=4096))
+    assert cfg.model_config.sliding_window == 4096 and cfg.max_model_len == 4096
+    assert EngineConfig(model=model(sliding_window=4096), max_model_len=1000).max_model_len == 1000
 
 
-def test_sliding_window_refuses_a_longer_context() -> None:
+def test_sliding_window_refuses_a_longer_context(model) -> None:
     with pytest.raises(ConfigError, match=r"exceeds the model's sliding window \(4096 tokens\)"):
-        EngineConfig(model=_model(sliding_window=4096), max_model_len=8192)
+        EngineConfig(model=model(sliding_window=4096), max_model_len=8192)
 
 
 @pytest.mark.parametrize("window", [None, 0, 32768, 65536])
-def test_no_window_or_one_past_the_context(window: int | None) -> None:
+def test_no_window_or_one_past_the_context(model, window: int | None) -> None:
     # Mistral v0.2+ writes null; a window at least as long as the context never binds.
-    cfg = EngineConfig(model=_model(sliding_window=window))
+    cfg = EngineConfig(model=model(sliding_window=window))
     assert cfg.max_model_len == 32768
     with pytest.raises(ConfigError, match=r"exceeds the model's context \(32768 tokens\)"):
-        EngineConfig(model=_model(sliding_window=window), max_model_len=40000)
+        EngineConfig(model=model(sliding_window=window), max_model_len=40000)
+
+
+def test_cli_flags_are_the_engine_arguments() -> None:
+    """Every EngineConfig field is a flag of `serve` and `generate`, with the field's default."""
+    from tinypaged.cli import build_parser
+
+    parser = build_parser()
+    for command in (["serve"], ["generate", "x"]):
+        args = vars(parser.parse_args(command))
+        for f in EngineConfig.engine_args():
+            assert f.name in args and args[f.name] == f.default, f.name
+    flags = vars(
+        parser.parse_args(["serve", "--block-size", "32", "--no-async-scheduling", "--enforce-eager"])
+    )
+    assert (flags["block_size"], flags["async_scheduling"], flags["enforce_eager"]) == (32, False, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"block_size": 3}, "block_size must be one of"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"preemption_mode": "pause"}, "preemption_mode must be one of"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be >= 1"),
+        ({"swap_space": -1.0}, "swap_space must be >= 0"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override must be >= 1"),
+        ({"max_num_sequences": 4}, "unknown engine argument 'max_num_sequences'"),
+    ],
+)
+def test_bad_engine_arguments(model, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_kwargs(model(), **kwargs)
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model directory not found"):
+        EngineConfig(model=tmp_path / "nope")

@@ -5,62 +5,43 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from pathlib import Path
 
-from tinypaged.config import ConfigError
+from tinypaged.config import ConfigError, EngineConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's engine arguments, with its names and meanings."""
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="model directory (default: the default model, fetched if missing)",
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap space per GPU, in GiB")
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap each step's host work with the device's (default: on for a GPU)",
-    )
+    """One flag per engine argument (EngineConfig's fields: vLLM's names, defaults and meanings)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in EngineConfig.engine_args():
+        flag = "--" + f.name.replace("_", "-")
+        kinds = set(typing.get_args(hints[f.name])) - {type(None)} or {hints[f.name]}
+        help_text = f.metadata["help"]
+        if kinds == {bool}:
+            # A bool that defaults to "decide for me" (None) gets --x / --no-x; a False one just --x.
+            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            p.add_argument(flag, action=action, default=f.default, help=help_text)
+            continue
+        kind = Path if Path in kinds else next(iter(kinds - {str}), str)
+        # Choices are listed, not enforced by argparse: EngineConfig checks every value, with one message.
+        notes = [f"one of: {', '.join(map(str, f.metadata['choices']))}"] if "choices" in f.metadata else []
+        notes += [f"default: {f.default}"] if f.default is not None else []
+        if notes:
+            help_text += f" ({'; '.join(notes)})"
+        p.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = (
-        "dtype device seed block_size gpu_memory_utilization num_gpu_blocks_override swap_space "
-        "enable_prefix_caching max_num_seqs max_num_batched_tokens max_model_len preemption_mode enforce_eager "
-        "async_scheduling"
-    ).split()
-    return {k: getattr(args, k) for k in keys}
-
-
-def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - keeps `tinypaged --help` free of imports
-    """The EngineConfig the engine arguments describe (the same fields `LLM(...)` takes)."""
-    from tinypaged.config import EngineConfig
-    from tinypaged.weights.fetch import resolve_model
-
-    return EngineConfig.from_engine_args(resolve_model(args.model), **_engine_kwargs(args))
+def _engine_args(args: argparse.Namespace) -> dict:
+    """The engine arguments the flags give (the fields of EngineConfig, as `LLM(...)` takes them)."""
+    return {f.name: getattr(args, f.name) for f in EngineConfig.engine_args()}
 
 
 def _serve(args: argparse.Namespace) -> int:
     from tinypaged.engine.async_engine import AsyncEngine
     from tinypaged.server.app import ServerConfig, serve
 
-    engine_config = _engine_config(args)
+    engine_config = EngineConfig(**_engine_args(args))
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -78,8 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
     from tinypaged.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+    llm = LLM(**_engine_args(args))
     prompt = args.prompt
-    llm = LLM(model=args.model, **_engine_kwargs(args))
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
     out = llm.generate([prompt], params)[0]
@@ -173,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if type(e).__name__ == "WeightsError":
+        from tinypaged.weights import WeightsError  # not at the top: it pulls numpy into `--help`
+
+        if isinstance(e, WeightsError):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from tinypaged.core.schedule_types import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -112,55 +114,81 @@ class ModelConfig:
         return cfg
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: block size, how many blocks, swap space."""
-
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
-    enable_prefix_caching: bool = False
-    # On the CPU the "GPU" cache lives in host memory too: size it from this many GiB when not overridden.
-    cpu_kv_cache_space: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ConfigError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.swap_space < 0:
-            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+def _arg(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - argparse's word
+    """An engine argument: its default, and the help (and choices) its CLI flag shows."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, passed whole to its parts."""
+    """Everything the engine needs: the model directory and every engine argument, with vLLM's names and
+    meanings. `LLM(model, **kwargs)` takes these fields and the CLI's flags are made from them, so a new
+    argument is one field here. Checked once, when built; the model's shape is read into `model_config`.
+    """
 
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    preemption_mode: Literal["recompute", "swap"] | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False  # True: no CUDA graphs for decode batches
-    # Queue each step before applying the previous step's tokens, so host work overlaps the device (None: on
-    # for a GPU, where it pays; off on the CPU, where the host is the device).
-    async_scheduling: bool | None = None
+    # None: the default model (fetched if missing); a Path to the model directory once built.
+    model: str | Path | None = _arg(
+        None, "model directory (HF layout, safetensors); default: the default model, fetched if missing"
+    )
+    dtype: str = _arg(
+        "auto",
+        "weights and activations: auto is float32 on the CPU, the checkpoint's half type on a GPU",
+        choices=("auto", "bfloat16", "float16", "float32"),
+    )
+    device: str = _arg("auto", "auto, cpu or cuda[:N]")
+    seed: int = _arg(0, "seed of the random draws of requests without a seed of their own")
+    block_size: int = _arg(16, "tokens per KV cache block", choices=(1, 2, 4, 8, 16, 32, 64, 128))
+    gpu_memory_utilization: float = _arg(
+        0.9, "fraction of GPU memory for weights, activations and the KV cache"
+    )
+    num_gpu_blocks_override: int | None = _arg(
+        None, "this many KV cache blocks instead of what memory allows"
+    )
+    swap_space: float = _arg(4.0, "CPU swap space for preempted requests, in GiB")
+    # On the CPU the "GPU" cache lives in host memory too.
+    cpu_kv_cache_space: float = _arg(
+        1.0, "GiB of host memory for the KV cache when the engine runs on the CPU"
+    )
+    enable_prefix_caching: bool = _arg(
+        False, "share the KV blocks of identical prompt prefixes across requests"
+    )
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(
+        2048, "most tokens in one step (longer prompts are prefilled in chunks)"
+    )
+    max_model_len: int | None = _arg(
+        None, "longest sequence, prompt included; default: the model's context (an int once built)"
+    )
+    preemption_mode: str | None = _arg(
+        None,
+        "how to preempt when blocks run out; default: swap groups of several sequences, recompute the rest",
+        choices=("recompute", "swap"),
+    )
+    enforce_eager: bool = _arg(False, "run every step eagerly (no CUDA graphs)")
+    async_scheduling: bool | None = _arg(
+        None, "overlap each step's host work with the device's; default: on for a GPU"
+    )
+    model_config: ModelConfig = field(init=False, repr=False, compare=False)  # read from model/config.json
 
     def __post_init__(self) -> None:
-        limit, window = self.model.max_position_embeddings, self.model.sliding_window
+        from tinypaged.weights.fetch import resolve_model  # lazy: `tinypaged --help` imports this module
+
+        model = resolve_model(self.model)
+        mcfg = ModelConfig.from_dir(model)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "model_config", mcfg)
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value is not None and value not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        limit, window = mcfg.max_position_embeddings, mcfg.sliding_window
         # The attention here is over the whole context, which equals a sliding-window model's attention only
         # while the context fits in the window: such a model is served up to its window.
         windowed = window is not None and window < limit
         if windowed:
             limit = window
-        if self.max_model_len <= 0:
+        if not self.max_model_len:
             if windowed:
                 logger.warning("max_model_len capped at the model's sliding window (%d tokens)", window)
             object.__setattr__(self, "max_model_len", limit)
@@ -169,24 +197,50 @@ class EngineConfig:
             raise ConfigError(
                 f"max_model_len {self.max_model_len} exceeds the model's {what} ({limit} tokens)"
             )
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.preemption_mode not in (None, "recompute", "swap"):
-            raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        for name, ok, rule in (
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            (
+                "num_gpu_blocks_override",
+                self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                ">= 1",
+            ),
+            ("swap_space", self.swap_space >= 0, ">= 0 GiB"),
+            ("cpu_kv_cache_space", self.cpu_kv_cache_space > 0, "> 0 GiB"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"{name} must be {rule}, got {getattr(self, name)}")
 
     @classmethod
-    def from_engine_args(cls, model: str | Path, **engine_args: Any) -> EngineConfig:
-        """Build from vLLM-style flat engine arguments (what `LLM(...)` and the CLI take)."""
-        cache_keys = {f.name for f in fields(CacheConfig)} & engine_args.keys()
-        cache = CacheConfig(**{k: engine_args.pop(k) for k in cache_keys})
-        engine_args["max_model_len"] = engine_args.get("max_model_len") or 0
-        return cls(model=ModelConfig.from_dir(model), cache=cache, **engine_args)
+    def engine_args(cls) -> list[Field[Any]]:
+        """The fields `LLM(...)` takes and the CLI makes flags of (all but the derived `model_config`)."""
+        return [f for f in fields(cls) if f.init]
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from engine arguments; ConfigError for an unknown one."""
+        known = {f.name for f in cls.engine_args()}
+        unknown = sorted(kwargs.keys() - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine argument {unknown[0]!r}; the arguments are {', '.join(sorted(known))}"
+            )
+        return cls(model=model, **kwargs)
 
     @property
     def max_blocks_per_seq(self) -> int:
         """Columns of a block table: enough blocks for a sequence of max_model_len tokens."""
-        return math.ceil(self.max_model_len / self.cache.block_size)
+        assert self.max_model_len is not None
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's part, as core/ takes it."""
+        assert self.max_model_len is not None
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+        )

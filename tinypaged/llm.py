@@ -4,60 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.weights.fetch import resolve_model
+from tinypaged.tokenizer import Tokenizer
 
 
 class LLM:
-    """A model with its engine, for batched offline generation."""
+    """A model with its engine, for batched offline generation.
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        swap_space: float = 4.0,
-        enable_prefix_caching: bool = False,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        preemption_mode: Literal["recompute", "swap"] | None = None,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-    ) -> None:
-        self.config = EngineConfig.from_engine_args(
-            resolve_model(model),
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            block_size=block_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            swap_space=swap_space,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-        )
+    `LLM(model=None, **engine_args)`: the model directory (None: the default model, fetched if missing) and any
+    field of EngineConfig (`block_size=`, `max_num_seqs=`, `enable_prefix_caching=`, ...: vLLM's names).
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = LLMEngine(self.config)
         self._next_id = 0
 
-    def get_tokenizer(self):  # noqa: ANN201 (vLLM's name)
-        """The model's tokenizer."""
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's name)."""
         return self.engine.tokenizer
 
     def generate(

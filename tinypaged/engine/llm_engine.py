@@ -11,7 +11,7 @@ import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
-from tinypaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.beam_search import BeamSearch
 from tinypaged.engine.model_runner import ExecuteOutput, ModelRunner
@@ -100,26 +100,18 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = Tokenizer(config.model.path)
+        self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(
-            block_size=config.cache.block_size,
+            block_size=config.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                preemption_mode=config.preemption_mode,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.sampler = Sampler()
-        self.eos_ids = frozenset(config.model.eos_token_ids) | (
+        self.eos_ids = frozenset(config.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
@@ -146,8 +138,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify()
-        cfg, vocab = self.config, self.config.model.vocab_size
-        if params.prompt_logprobs is not None and cfg.cache.enable_prefix_caching:
+        cfg, vocab = self.config, self.config.model_config.vocab_size
+        if params.prompt_logprobs is not None and cfg.enable_prefix_caching:
             raise RequestError(
                 "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)",
                 "prompt_logprobs",
@@ -178,7 +170,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            vocab = self.config.model.vocab_size
+            vocab = self.config.model_config.vocab_size
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})", "prompt")

@@ -93,7 +93,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mcfg = config.model
+        mcfg = config.model_config
         self.stats = RunnerStats()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)
@@ -101,12 +101,12 @@ class ModelRunner:
         self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len)
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.block_size = config.cache.block_size
+        self.block_size = config.block_size
         shape = (mcfg.num_layers, 2, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
         self.block_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
         self._staging = Staging(config, self.device)
-        self.num_gpu_blocks = config.cache.num_gpu_blocks_override or self._blocks_that_fit()
-        self.num_cpu_blocks = int(config.cache.swap_space * GiB // self.block_bytes)
+        self.num_gpu_blocks = config.num_gpu_blocks_override or self._blocks_that_fit()
+        self.num_cpu_blocks = int(config.swap_space * GiB // self.block_bytes)
         # Zeroed, not empty: the torch reference attention reads whole blocks (and padding) and masks afterwards,
         # and uninitialised memory can hold NaNs, which a zero attention weight does not cancel (0 * NaN = NaN).
         self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True)
@@ -133,7 +133,7 @@ class ModelRunner:
     def _allocate(
         self, num_blocks: int, device: torch.device, pin: bool = False, zero: bool = False
     ) -> torch.Tensor:
-        m = self.config.model
+        m = self.config.model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         make = torch.zeros if zero else torch.empty
         return make(shape, dtype=self.dtype, device=device, pin_memory=pin)
@@ -147,7 +147,7 @@ class ModelRunner:
         forward pass over max_num_batched_tokens + memory outside torch's allocator, e.g. the CUDA context).
         """
         if self.device.type == "cpu":
-            return max(1, int(self.config.cache.cpu_kv_cache_space * GiB // self.block_bytes))
+            return max(1, int(self.config.cpu_kv_cache_space * GiB // self.block_bytes))
         torch.cuda.empty_cache()
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -160,11 +160,11 @@ class ModelRunner:
         non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
         # The sampler's working set is outside the profile: up to ~8 fp32 copies of the sampled rows' logits
         # (clone, probabilities, sorted values and int64 indices, cumulative sums, noise).
-        sampler = 8 * self.config.max_num_seqs * self.config.model.vocab_size * 4
+        sampler = 8 * self.config.max_num_seqs * self.config.model_config.vocab_size * 4
         self.stats.profile_activation_bytes = activations
         self.stats.non_torch_bytes = non_torch
         used = torch.cuda.memory_allocated(self.device) + activations + non_torch + sampler
-        budget = total * self.config.cache.gpu_memory_utilization - used
+        budget = total * self.config.gpu_memory_utilization - used
         if budget < self.block_bytes:
             raise MemoryError("no GPU memory left for the KV cache; raise --gpu-memory-utilization")
         return int(budget // self.block_bytes)

@@ -58,7 +58,7 @@ class Staging:
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.device = device
-        self.block_size = config.cache.block_size
+        self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq
         seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_width = _round_up(self.max_blocks, 16)

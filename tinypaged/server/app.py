@@ -214,7 +214,7 @@ async def openapi(request: web.Request) -> web.StreamResponse:
 
 def build_app(engine: Any, config: ServerConfig) -> web.Application:
     """The application over a built (not necessarily started) AsyncEngine; it starts and stops the engine."""
-    name = config.served_model_name or engine.config.model.path.name
+    name = config.served_model_name or engine.config.model.name
     # aiohttp's own limit backs up the Content-Length check for chunked bodies (it answers 413 too).
     app = web.Application(
         middlewares=[error_middleware, gate_middleware], client_max_size=config.max_body_bytes

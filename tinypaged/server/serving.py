@@ -118,7 +118,7 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens)
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.config.model.vocab_size
+        vocab = self.engine.config.model_config.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param=param)
@@ -283,7 +283,7 @@ class OpenAIServing:
                 p.ModelCard(
                     id=self.model_name,
                     created=self.created,
-                    root=str(self.engine.config.model.path),
+                    root=str(self.engine.config.model),
                     max_model_len=self.max_model_len,
                 )
             ]
