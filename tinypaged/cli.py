@@ -19,8 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         kinds = set(typing.get_args(hints[f.name])) - {type(None)} or {hints[f.name]}
         help_text = f.metadata["help"]
         if kinds == {bool}:
-            # A bool that defaults to "decide for me" (None) gets --x / --no-x; a False one just --x.
-            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            # A bool that is off by default gets --x; one on by default or decided for you (None), --x / --no-x.
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
             p.add_argument(flag, action=action, default=f.default, help=help_text)
             continue
         kind = Path if Path in kinds else next(iter(kinds - {str}), str)

@@ -156,6 +156,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _arg(
         2048, "most tokens in one step (longer prompts are prefilled in chunks)"
     )
+    enable_chunked_prefill: bool = _arg(
+        True, "split prompts longer than the step's token budget over several steps (off: refuse them)"
+    )
     max_model_len: int | None = _arg(
         None, "longest sequence, prompt included; default: the model's context (an int once built)"
     )
@@ -243,4 +246,5 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
