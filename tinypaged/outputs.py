@@ -27,10 +27,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    def finished(self) -> bool:
-        """Whether this sequence has ended."""
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

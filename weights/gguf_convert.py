@@ -59,9 +59,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_safetensors(tensors, out_dir / "model.safetensors", dtype)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
-    _write_json(out_dir / "generation_config.json", _generation_config(config))
-    _write_json(out_dir / "config.json", config)
+    write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
+    write_json(out_dir / "generation_config.json", _generation_config(config))
+    write_json(out_dir / "config.json", config)
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -322,5 +322,6 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A model directory's JSON file: indented, UTF-8, newline-terminated."""
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

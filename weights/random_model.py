@@ -10,7 +10,6 @@ O(1) through every layer.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .fetch import default_model_dir
+from .gguf_convert import write_json
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -99,8 +99,8 @@ def make_random_model(
         "torch_dtype": "bfloat16",
         **cfg,
     }
-    _write_json(out / "config.json", config)
-    _write_json(
+    write_json(out / "config.json", config)
+    write_json(
         out / "generation_config.json",
         {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]},
     )
@@ -170,7 +170,7 @@ def _write_weights(cfg: dict[str, Any], out: Path, seed: int) -> None:
         del tensors
     if len(shards) > 1:
         total = sum(2 * math.prod(shape) for shard in shards for _, shape in shard)
-        _write_json(
+        write_json(
             out / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": weight_map},
         )
@@ -208,7 +208,7 @@ def _synthetic_tokenizer(cfg: dict[str, Any], out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
     tok.save(str(out / "tokenizer.json"))
-    _write_json(
+    write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -233,8 +233,3 @@ def _byte_chars() -> list[str]:
             chars.append(chr(256 + extra))
             extra += 1
     return chars
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    os.chmod(path, 0o644)
