@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup weights serve generate test lint bench clean
+.PHONY: setup weights serve generate test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,10 @@ generate: setup weights
 # Two pytest processes: the kernel tests need TRITON_INTERPRET=1 set before triton is imported, and the
 # engine tests must not run the whole model through the interpreter. (`pytest`, not `python -m pytest`:
 # the latter puts the repo root on sys.path, where HF transformers would mistake kernels/ for its kernel hub.)
+# Each prints its slowest tests: the suite's time is watched.
 test: setup weights
-	$(VENV)/bin/pytest -q tests --ignore=tests/kernels
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/kernels
+	$(VENV)/bin/pytest -q --durations=15 tests --ignore=tests/kernels
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=5 tests/kernels
 
 lint: setup
 	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks loadtest
