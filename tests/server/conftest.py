@@ -59,15 +59,12 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.call(self.engine.stats)
-            free = self.call(lambda: self.engine.num_free_blocks)
             busy = self.call(lambda: self.engine.engine.has_unfinished_requests())
             if not busy and stats.num_running == stats.num_waiting == stats.num_swapped == 0:
-                if free == self.engine.num_gpu_blocks:
+                if stats.num_free_gpu_blocks == stats.num_gpu_blocks:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"server not idle: {stats}, {free}/{self.engine.num_gpu_blocks} blocks free"
-                )
+                raise AssertionError(f"server not idle: {stats}")
             time.sleep(0.05)
         self.call(self.engine.check_integrity)
 
