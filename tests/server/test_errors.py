@@ -8,6 +8,7 @@ import json
 import pytest
 
 MAX_MODEL_LEN = 512  # the server fixture's (tests/server/conftest.py)
+MAX_NUM_SEQS = 256  # EngineConfig's default, which the fixture keeps
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
@@ -81,11 +82,11 @@ CASES = [
     ("n-zero", "POST", C, comp(n=0), 400, "n", {}, False),
     ("n-huge", "POST", C, comp(n=10**6), 400, "n", {}, False),
     ("n-past-int64", "POST", C, comp(n=10**30), 400, "n", {}, False),
-    ("best-of-below-n", "POST", C, comp(n=3, best_of=2), 400, None, {}, False),
+    ("best-of-below-n", "POST", C, comp(n=3, best_of=2), 400, "best_of", {}, False),
     ("best-of-huge", "POST", C, comp(best_of=10**6), 400, "best_of", {}, False),
-    ("beam-search-sampling", "POST", C, comp(n=2, use_beam_search=True), 400, None, {}, False),
-    ("length-penalty-without-beams", "POST", C, comp(length_penalty=0.5), 400, None, {}, False),
-    ("early-stopping-without-beams", "POST", C, comp(early_stopping=True), 400, None, {}, False),
+    ("beam-search-sampling", "POST", C, comp(n=2, use_beam_search=True), 400, "temperature", {}, False),
+    ("length-penalty-without-beams", "POST", C, comp(length_penalty=0.5), 400, "length_penalty", {}, False),
+    ("early-stopping-without-beams", "POST", C, comp(early_stopping=True), 400, "early_stopping", {}, False),
     (
         "early-stopping-wrong-value",
         "POST",
@@ -99,11 +100,11 @@ CASES = [
     ("logprobs-string", "POST", C, comp(logprobs="3"), 400, "logprobs", {}, False),
     ("logprobs-too-many", "POST", C, comp(logprobs=100), 400, "logprobs", {}, False),
     ("seed-negative", "POST", C, comp(seed=-1), 400, "seed", {}, False),
-    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, None, {}, False),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop", {}, False),
     ("stop-wrong-type", "POST", C, comp(stop=5), 400, "stop", {}, False),
     ("stop-list-of-ints", "POST", C, comp(stop=[1, 2]), 400, "stop[0]", {}, False),
     ("stop-token-ids-negative", "POST", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids[0]", {}, False),
-    ("min-tokens-over-max-tokens", "POST", C, comp(min_tokens=5, max_tokens=2), 400, None, {}, False),
+    ("min-tokens-over-max-tokens", "POST", C, comp(min_tokens=5, max_tokens=2), 400, "min_tokens", {}, False),
     ("logit-bias-unsupported", "POST", C, comp(logit_bias={"1": 5.0}), 400, "logit_bias", {}, False),
     (
         "stream-options-wrong-type",
@@ -200,14 +201,14 @@ CASES = [
         False,
     ),
     ("chat-unknown-model", "POST", CHAT, chat(model="nope"), 404, "model", {}, False),
-    ("chat-best-of-below-n", "POST", CHAT, chat(n=2, best_of=1), 400, None, {}, False),
+    ("chat-best-of-below-n", "POST", CHAT, chat(n=2, best_of=1), 400, "best_of", {}, False),
     (
-        "chat-beam-search-stop-strings",  # the engine's check, after the server's
+        "chat-beam-search-stop-strings",  # SamplingParams' check
         "POST",
         CHAT,
         chat(n=2, temperature=0, use_beam_search=True, stop=["x"]),
         400,
-        None,
+        "stop",
         {},
         False,
     ),
@@ -233,6 +234,70 @@ def test_bad_input(raw, server, method, path, body, status, param, headers, no_k
     assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
     if param is not ANY:
         assert err["param"] == param, err
+
+
+# The engine's verdicts (SamplingParams, LLMEngine.process_inputs; the server does not repeat its checks):
+# (case, path, body, the param and code the engine names). The chat API calls the engine's "prompt" messages.
+LONG_CHAT = [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]
+ENGINE_CASES = [
+    (
+        "prompt-ids-fill-context",
+        C,
+        comp(prompt=[1] * MAX_MODEL_LEN, max_tokens=1),
+        "prompt",
+        "context_length_exceeded",
+    ),
+    ("prompt-text-too-long", C, comp(prompt="hello " * MAX_MODEL_LEN), "prompt", "context_length_exceeded"),
+    (
+        "second-prompt-too-long",
+        C,
+        comp(prompt=[[1, 2], [1] * MAX_MODEL_LEN]),
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "chat-prompt-too-long",
+        CHAT,
+        chat(messages=LONG_CHAT, max_tokens=None),
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("prompt-empty", C, comp(prompt=[[]]), "prompt", None),
+    ("prompt-token-id-past-vocab", C, comp(prompt=[1, 10**6]), "prompt", None),
+    ("n-over-max-num-seqs", C, comp(n=MAX_NUM_SEQS + 1), "n", None),
+    ("chat-n-over-max-num-seqs", CHAT, chat(n=MAX_NUM_SEQS + 1), "n", None),
+    ("best-of-over-max-num-seqs", C, comp(n=2, best_of=MAX_NUM_SEQS + 1), "best_of", None),
+    ("stop-token-id-past-vocab", C, comp(stop_token_ids=[10**6]), "stop_token_ids", None),
+    ("chat-stop-token-id-past-vocab", CHAT, chat(stop_token_ids=[2, 10**6]), "stop_token_ids", None),
+    ("best-of-below-n", C, comp(n=3, best_of=2), "best_of", None),
+    ("chat-best-of-below-n", CHAT, chat(n=2, best_of=1), "best_of", None),
+    ("beams-with-stop-strings", C, comp(n=2, temperature=0, use_beam_search=True, stop=["x"]), "stop", None),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code"), [c[1:] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES]
+)
+def test_engine_verdict_keeps_param_and_code(raw, server, path, body, param, code, stream) -> None:
+    # A stream refused before its first event gets the JSON error and its status, not a 200 stream.
+    status, headers, data = raw("POST", path, {**body, "stream": stream})
+    assert status == 400 and headers["Content-Type"].startswith("application/json"), data
+    err = json.loads(data)["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), err
+    assert server.engine.config.max_num_seqs == MAX_NUM_SEQS
+
+
+def test_explicit_max_tokens_must_fit_beside_the_prompt(raw) -> None:
+    # OpenAI's rule, the server's own: the engine alone would stop at max_model_len instead.
+    for stream in (False, True):
+        status, _, data = raw("POST", C, comp(prompt=[1] * (MAX_MODEL_LEN - 1), max_tokens=2, stream=stream))
+        err = json.loads(data)["error"]
+        assert status == 400 and (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    status, _, data = raw("POST", C, comp(prompt=[1] * (MAX_MODEL_LEN - 1), max_tokens=1))
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1
+    status, _, data = raw("POST", C, comp(prompt=[1] * (MAX_MODEL_LEN - 1), max_tokens=None))
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 1  # the room left, not 16
 
 
 def test_table_is_large_enough(server) -> None:

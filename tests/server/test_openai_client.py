@@ -89,27 +89,41 @@ def test_completion_echo_and_logprobs(client: openai.OpenAI, server) -> None:
     assert lp.token_logprobs[n_prompt:] == pytest.approx(c.logprobs.token_logprobs)
 
 
-def test_completion_stop_string_never_streamed(client: openai.OpenAI, server) -> None:
-    full = (
-        client.completions.create(
-            model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
-        )
-        .choices[0]
-        .text
-    )
-    stop = full[len(full) // 2 : len(full) // 2 + 2]
-    assert stop.strip(), full
-    plain = client.completions.create(
-        model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
-    )
-    assert plain.choices[0].finish_reason == "stop" and stop not in plain.choices[0].text
-    assert full.startswith(plain.choices[0].text)
-    texts, reasons, _ = _stream_text(
-        client.completions.create(
-            model=server.model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], stream=True
-        )
-    )
-    assert texts == [plain.choices[0].text] and reasons == ["stop"]
+def _stop_across_tokens(tokens: list[str]) -> tuple[str, int]:
+    """A two-character stop string made of one token's last character and the next one's first, found first
+    at that boundary (past the middle of the text), and where it starts."""
+    text = "".join(tokens)
+    for j in range(len(tokens) // 2, len(tokens)):
+        if tokens[j - 1] and tokens[j]:
+            stop, at = tokens[j - 1][-1] + tokens[j][0], len("".join(tokens[:j])) - 1
+            if text.find(stop) == at:
+                return stop, at
+    raise AssertionError(f"no token boundary to stop at in {tokens}")
+
+
+def test_stop_string_never_streamed_then_cut(client: openai.OpenAI, server) -> None:
+    # The stop string begins in one token and ends in the next: a stream that sent the first token's text
+    # whole would send a character that the finished text then cuts. The engine holds such a tail back (the
+    # server holds back nothing itself), so the streamed text is exactly the plain one.
+    greedy = {"model": server.model, "max_tokens": 12, "temperature": 0}
+    full = client.completions.create(prompt=PROMPT, logprobs=0, extra_body={"ignore_eos": True}, **greedy)
+    tokens = full.choices[0].logprobs.tokens
+    assert "".join(tokens) == full.choices[0].text
+    stop, at = _stop_across_tokens(tokens)
+    plain = client.completions.create(prompt=PROMPT, stop=[stop], **greedy).choices[0]
+    assert (plain.text, plain.finish_reason, plain.stop_reason) == (full.choices[0].text[:at], "stop", stop)
+    stream = client.completions.create(prompt=PROMPT, stop=[stop], stream=True, **greedy)
+    assert _stream_text(stream) == ([plain.text], ["stop"], None)
+
+    chat_full = client.chat.completions.create(messages=MESSAGES, logprobs=True, **greedy)
+    (choice,) = chat_full.choices
+    tokens = [t.token for t in choice.logprobs.content]
+    if choice.finish_reason == "stop":
+        tokens.pop()  # the end-of-turn token, not in the text
+    assert "".join(tokens) == choice.message.content
+    stop, at = _stop_across_tokens(tokens)
+    stream = client.chat.completions.create(messages=MESSAGES, stop=[stop], stream=True, **greedy)
+    assert _stream_text(stream) == ([choice.message.content[:at]], ["stop"], None)
 
 
 def test_sampling_seed_repeats(client: openai.OpenAI, server) -> None:

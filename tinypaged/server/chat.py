@@ -19,7 +19,6 @@ from tinypaged.server.serving import (
     advance,
     collect,
     final_only,
-    holdback,
     raise_if_failed,
     sse,
     usage_of,
@@ -37,14 +36,12 @@ async def create_chat_completion(
     prompt = TokenizedPrompt(text, await serving.encode(text, False))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(
-        req, serving.max_tokens(len(prompt.ids), requested, None, "messages"), top
-    )
+    params = serving.sampling_params(req, serving.max_tokens(len(prompt.ids), requested, None), top)
     serving.check_queue()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = serving.generate(rid, [prompt], [params])
+    outputs = serving.generate(rid, [prompt], [params], prompt_param="messages")
     if req.stream:
-        return _stream_chat(serving, rid, req, outputs, holdback(params), final_only(params))
+        return _stream_chat(serving, rid, req, outputs, final_only(params))
     (out,) = await collect(outputs, 1)
     choices = [
         p.ChatChoice(
@@ -68,7 +65,6 @@ async def _stream_chat(
     rid: str,
     req: p.ChatCompletionRequest,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
-    hold: int,
     wait: bool,
 ) -> AsyncIterator[bytes]:
     """SSE chunks: each choice's role first, then its content deltas by output index, then its finish
@@ -102,7 +98,7 @@ async def _stream_chat(
                 st = states.setdefault(o.index, ChoiceState())
                 if st.done:
                     continue
-                delta, new_ids, new_lps = advance(st, o, hold)
+                delta, new_ids, new_lps = advance(st, o)
                 if delta or new_ids or st.done:
                     lps = (
                         fmt.chat_logprobs(new_ids, new_lps, top, serving.tokenizer)

@@ -19,7 +19,6 @@ from tinypaged.server.serving import (
     advance,
     collect,
     final_only,
-    holdback,
     raise_if_failed,
     sse,
     usage_of,
@@ -48,10 +47,7 @@ async def _completion_prompts(serving: OpenAIServing, prompt: str | list) -> lis
         if isinstance(x, str):
             out.append(TokenizedPrompt(x, await serving.encode(x, True)))
         else:
-            serving.check_ids(x, "prompt")
             out.append(TokenizedPrompt(None, list(x)))
-        if not out[-1].ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
     return out
 
 
@@ -64,7 +60,7 @@ async def create_completion(
     params = [
         serving.sampling_params(
             req,
-            serving.max_tokens(len(pr.ids), req.max_tokens, DEFAULT_MAX_TOKENS, "prompt"),
+            serving.max_tokens(len(pr.ids), req.max_tokens, DEFAULT_MAX_TOKENS),
             req.logprobs,
             req.logprobs if req.echo and req.logprobs is not None else None,
         )
@@ -77,9 +73,7 @@ async def create_completion(
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = serving.generate(rid, prompts, params)
     if req.stream:
-        return _stream_completion(
-            serving, rid, req, prompts, outputs, holdback(params[0]), final_only(params[0])
-        )
+        return _stream_completion(serving, rid, req, prompts, outputs, final_only(params[0]))
     finals = await collect(outputs, len(prompts))
     choices = []
     for i, out in enumerate(finals):
@@ -118,7 +112,6 @@ async def _stream_completion(
     req: p.CompletionRequest,
     prompts: list[TokenizedPrompt],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
-    hold: int,
     wait: bool,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of every prompt's choices; choice `prompt_index * n + output index`. With `wait` (see
@@ -150,7 +143,7 @@ async def _stream_completion(
                             st.text_offset,
                         )
                 st.started = True
-                delta, new_ids, new_lps = advance(st, o, hold)
+                delta, new_ids, new_lps = advance(st, o)
                 text += delta
                 if logprobs is not None:
                     st.text_offset = fmt.extend_legacy(

@@ -1,7 +1,8 @@
 """The HTTP schema, OpenAI's names and shapes, as msgspec Structs: decoding a request validates it.
 
 Field constraints live in the types (`Annotated[..., Meta(...)]`) so that `/openapi.json` shows them and a bad
-value fails with msgspec's path to the field. Cross-field rules and engine limits are checked in serving.py.
+value fails with msgspec's path to the field. Cross-field rules and limits are the engine's (SamplingParams,
+`LLMEngine.process_inputs`); the HTTP API's own rules are checked in serving.py.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-# vLLM's limit on top-k alternatives per token; OpenAI's legacy completions allow 5 and chat 20.
-MAX_LOGPROBS = 20
+from tinypaged.sampling_params import MAX_LOGPROBS  # the engine's limit, shown in /openapi.json
 
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]

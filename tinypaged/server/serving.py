@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from tinypaged.errors import RequestError
 from tinypaged.outputs import CompletionOutput, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
@@ -42,6 +43,13 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
         self.info = p.ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def request_error(e: RequestError, prompt_param: str = "prompt") -> APIError:
+    """The engine's verdict on a request as a 400 with its param and code; the engine's "prompt" is named as
+    the endpoint names it (chat: "messages")."""
+    param = prompt_param if e.param == "prompt" else e.param
+    return APIError(400, str(e), param=param, code=e.code)
 
 
 def sse(payload: Any) -> bytes:
@@ -117,23 +125,15 @@ class OpenAIServing:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.config.model_config.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param=param)
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int | None:
+        """The completion budget: the request's, else `default`, else all the room the prompt leaves.
 
-    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
-        """The completion budget, or 400 when the prompt (plus what was asked for) exceeds max_model_len."""
+        OpenAI's rule (not the engine's, which stops at max_model_len): an explicit max_tokens must fit beside
+        the prompt, else 400. A prompt that leaves no room at all is the engine's to refuse (None here).
+        """
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
+            return None
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
@@ -151,17 +151,12 @@ class OpenAIServing:
     def sampling_params(
         self,
         req: p.CompletionRequest | p.ChatCompletionRequest,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        # One engine request generates every sequence of a prompt (they share its blocks), so all must fit.
-        limit = self.engine.config.max_num_seqs
-        for name, value in (("n", req.n), ("best_of", req.best_of)):
-            if value is not None and value > limit:
-                raise APIError(400, f"{name} must be at most max_num_seqs ({limit}), got {value}", param=name)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
@@ -188,13 +183,16 @@ class OpenAIServing:
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
             )
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
+        except RequestError as e:
+            raise request_error(e) from e
 
     # ---- generation -----------------------------------------------------------------------------------
 
-    async def _track(self, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass a request's outputs through, observing TTFT, time per output token and E2E latency."""
+    async def _track(
+        self, gen: AsyncIterator[RequestOutput], prompt_param: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; the
+        engine's refusal of the request as a 400."""
         start = time.monotonic()
         last, seen = 0.0, 0
         outcome: str | None = "abort"  # what to count if the request ends early: a client gone, a shutdown
@@ -216,9 +214,9 @@ class OpenAIServing:
                         "error" if out.error or not out.outputs else out.outputs[0].finish_reason
                     )
                 yield out
-        except ValueError as e:  # the engine's verdict on a prompt or params the checks here let through
+        except RequestError as e:  # raised before anything was queued: the engine's one validation
             outcome = None
-            raise APIError(400, str(e)) from e
+            raise request_error(e, prompt_param) from e
         except Exception:
             outcome = "error"
             raise
@@ -228,16 +226,24 @@ class OpenAIServing:
             await gen.aclose()  # aborts the request in the engine if it is still running
 
     def generate(
-        self, request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams]
+        self,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: list[SamplingParams],
+        prompt_param: str = "prompt",
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Start one engine request per prompt; their outputs merged, tagged with the prompt's index.
 
         A prompt's `n` (or `best_of`) sequences are one request: the engine forks them after the prompt, so
-        they share its KV blocks; each output's `index` tells them apart.
+        they share its KV blocks; each output's `index` tells them apart. `prompt_param` is what the request
+        calls its prompt, for the engine's errors.
         """
         gens = [
             self._track(
-                self.engine.generate({"prompt": pr.text, "prompt_token_ids": pr.ids}, sp, f"{request_id}-{i}")
+                self.engine.generate(
+                    {"prompt": pr.text, "prompt_token_ids": pr.ids}, sp, f"{request_id}-{i}"
+                ),
+                prompt_param,
             )
             for i, (pr, sp) in enumerate(zip(prompts, params, strict=True))
         ]
@@ -273,7 +279,10 @@ class OpenAIServing:
     def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
         """The text of token ids."""
         self.check_model(req.model)
-        self.check_ids(req.tokens, "tokens")
+        vocab = self.engine.config.model_config.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:  # not a generation request: the engine never sees these ids
+            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, False))
 
     def models(self) -> p.ModelList:
@@ -290,25 +299,21 @@ class OpenAIServing:
         )
 
 
-def holdback(params: SamplingParams) -> int:
-    """Characters a stream keeps back so that a stop string cut from the text was never sent."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
-
-
 def final_only(params: SamplingParams) -> bool:
     """Whether a stream sends each choice only once the request is done: with best_of > n or beam search,
     which sequences are returned (and in what order) is known only at the end."""
     return params.use_beam_search or params.num_seqs > params.n
 
 
-def advance(st: ChoiceState, o: CompletionOutput, hold: int) -> tuple[str, list[int], list | None]:
-    """The text, token ids and logprobs a choice gained since the last chunk; marks it done when finished."""
+def advance(st: ChoiceState, o: CompletionOutput) -> tuple[str, list[int], list | None]:
+    """The text, token ids and logprobs a choice gained since the last chunk; marks it done when finished.
+
+    The engine's text of a running output already holds back any tail that could begin a stop string, so
+    text sent is never cut later.
+    """
     st.done = o.finish_reason is not None
-    end = len(o.text) if st.done else max(st.text_len, len(o.text) - hold)
-    delta = o.text[st.text_len : end]
-    st.text_len = max(st.text_len, end)
+    delta = o.text[st.text_len :]
+    st.text_len = len(o.text)
     new_ids = o.token_ids[st.num_tokens :]
     new_lps = o.logprobs[st.num_tokens :] if o.logprobs is not None else None
     st.num_tokens = len(o.token_ids)
