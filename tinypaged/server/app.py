@@ -19,7 +19,8 @@ from tinypaged.server import protocol as p
 from tinypaged.server.chat import create_chat_completion
 from tinypaged.server.completions import create_completion
 from tinypaged.server.metrics import CONTENT_TYPE, ServerMetrics
-from tinypaged.server.serving import SSE_DONE, APIError, OpenAIServing, sse
+from tinypaged.server.responses import SSE_DONE, sse
+from tinypaged.server.serving import APIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
-from tinypaged.outputs import RequestOutput
+import msgspec
+
 from tinypaged.server import formatting as fmt
 from tinypaged.server import protocol as p
-from tinypaged.server.serving import (
-    SSE_DONE,
-    APIError,
-    ChoiceState,
-    OpenAIServing,
-    TokenizedPrompt,
-    advance,
-    collect,
-    final_only,
-    raise_if_failed,
-    sse,
-    usage_of,
-)
+from tinypaged.server.responses import ChoiceDelta, respond
+from tinypaged.server.serving import APIError, OpenAIServing, TokenizedPrompt
+from tinypaged.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is the room left in the context)
 
@@ -51,9 +43,65 @@ async def _completion_prompts(serving: OpenAIServing, prompt: str | list) -> lis
     return out
 
 
+@dataclass
+class CompletionFormat:
+    """The completions wire format: echo in a choice's first chunk, legacy logprobs whose text offsets run on
+    across the choice's chunks; a response and its chunks are the same Struct."""
+
+    id: str
+    model: str
+    req: p.CompletionRequest
+    prompts: list[TokenizedPrompt]
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # by choice: where its next token's text starts
+
+    def head(self, d: ChoiceDelta) -> None:
+        """Completions send no head."""
+        return None
+
+    def delta(self, d: ChoiceDelta) -> p.CompletionChoice | None:
+        """The choice's delta, the prompt before it when echoing; None when there is nothing to send."""
+        choice = self.choice(d)
+        return choice if choice.text or d.token_ids or d.finish_reason is not None else None
+
+    def choice(self, d: ChoiceDelta) -> p.CompletionChoice:
+        """A choice's text and legacy logprobs, the prompt's first in a first delta when echoing."""
+        echo = d.first and self.req.echo
+        k, logprobs = self.req.logprobs, None
+        if k is not None:
+            logprobs = p.CompletionLogprobs()
+            offset = self.offsets.get(d.index, 0)
+            if echo:
+                prompt_lps = fmt.prompt_logprobs(d.request)
+                offset = fmt.extend_legacy(
+                    logprobs, d.request.prompt_token_ids, prompt_lps, k, self.tokenizer, offset
+                )
+            self.offsets[d.index] = fmt.extend_legacy(
+                logprobs, d.token_ids, d.logprobs, k, self.tokenizer, offset
+            )
+        return p.CompletionChoice(
+            index=d.index,
+            text=(self.prompts[d.prompt_index].text or "") + d.text if echo else d.text,
+            logprobs=logprobs,
+            finish_reason=d.finish_reason,
+            stop_reason=d.stop_reason,
+        )
+
+    def chunk(self, choices: list[Any], usage: p.UsageInfo | None = None) -> p.CompletionResponse:
+        """A streamed chunk (usage only in the last, when asked for)."""
+        return p.CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def response(self, choices: list[Any], usage: p.UsageInfo) -> p.CompletionResponse:
+        """The whole completion."""
+        return self.chunk(choices, usage)
+
+
 async def create_completion(
     serving: OpenAIServing, req: p.CompletionRequest
-) -> p.CompletionResponse | AsyncIterator[bytes]:
+) -> msgspec.Struct | AsyncIterator[bytes]:
     """`/v1/completions`: the whole response, or its SSE events when `stream`."""
     serving.check_model(req.model)
     prompts = await _completion_prompts(serving, req.prompt)
@@ -62,118 +110,13 @@ async def create_completion(
             req,
             serving.max_tokens(len(pr.ids), req.max_tokens, DEFAULT_MAX_TOKENS),
             req.logprobs,
-            req.logprobs if req.echo and req.logprobs is not None else None,
+            req.logprobs if req.echo else None,
         )
         for pr in prompts
     ]
-    serving.check_queue()
     for pr in prompts:
         if pr.text is None and req.echo:
             pr.text = serving.tokenizer.decode(pr.ids, False)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    outputs = serving.generate(rid, prompts, params)
-    if req.stream:
-        return _stream_completion(serving, rid, req, prompts, outputs, final_only(params[0]))
-    finals = await collect(outputs, len(prompts))
-    choices = []
-    for i, out in enumerate(finals):
-        for o in out.outputs:
-            text, logprobs = o.text, None
-            if req.logprobs is not None:
-                logprobs = p.CompletionLogprobs()
-                if req.echo:
-                    fmt.extend_legacy(
-                        logprobs,
-                        out.prompt_token_ids,
-                        fmt.prompt_logprobs(out),
-                        req.logprobs,
-                        serving.tokenizer,
-                    )
-                fmt.extend_legacy(logprobs, o.token_ids, o.logprobs, req.logprobs, serving.tokenizer)
-            if req.echo:
-                text = (prompts[i].text or "") + text
-            choices.append(
-                p.CompletionChoice(
-                    index=i * req.n + o.index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason,
-                )
-            )
-    return p.CompletionResponse(
-        id=rid, created=int(time.time()), model=serving.model_name, choices=choices, usage=usage_of(finals)
-    )
-
-
-async def _stream_completion(
-    serving: OpenAIServing,
-    rid: str,
-    req: p.CompletionRequest,
-    prompts: list[TokenizedPrompt],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    wait: bool,
-) -> AsyncIterator[bytes]:
-    """SSE chunks of every prompt's choices; choice `prompt_index * n + output index`. With `wait` (see
-    `final_only`) each choice comes whole in one chunk when its prompt's request is done."""
-    created = int(time.time())
-    states: dict[tuple[int, int], ChoiceState] = {}
-    finals: dict[int, RequestOutput] = {}
-    async with contextlib.aclosing(outputs):
-        async for i, out in outputs:
-            if wait and not out.finished:
-                continue
-            choices = []
-            for o in out.outputs:
-                st = states.setdefault((i, o.index), ChoiceState())
-                if st.done:
-                    continue
-                text, logprobs = "", None
-                if req.logprobs is not None:
-                    logprobs = p.CompletionLogprobs()
-                if not st.started and req.echo:
-                    text = prompts[i].text or ""
-                    if logprobs is not None:
-                        st.text_offset = fmt.extend_legacy(
-                            logprobs,
-                            out.prompt_token_ids,
-                            fmt.prompt_logprobs(out),
-                            req.logprobs,
-                            serving.tokenizer,
-                            st.text_offset,
-                        )
-                st.started = True
-                delta, new_ids, new_lps = advance(st, o)
-                text += delta
-                if logprobs is not None:
-                    st.text_offset = fmt.extend_legacy(
-                        logprobs, new_ids, new_lps, req.logprobs, serving.tokenizer, st.text_offset
-                    )
-                if text or new_ids or st.done:
-                    choices.append(
-                        p.CompletionChoice(
-                            index=i * req.n + o.index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=o.finish_reason if st.done else None,
-                            stop_reason=o.stop_reason if st.done else None,
-                        )
-                    )
-            if out.finished:
-                raise_if_failed(out)
-                finals[i] = out
-            if choices:
-                yield sse(
-                    p.CompletionResponse(id=rid, created=created, model=serving.model_name, choices=choices)
-                )
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse(
-            p.CompletionResponse(
-                id=rid,
-                created=created,
-                model=serving.model_name,
-                choices=[],
-                usage=usage_of(list(finals.values())),
-            )
-        )
-    yield SSE_DONE
+    formatter = CompletionFormat(rid, serving.model_name, req, prompts, serving.tokenizer)
+    return await respond(serving.generate(rid, prompts, params), req, params, formatter)

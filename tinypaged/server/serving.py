@@ -1,8 +1,9 @@
-"""What the OpenAI endpoints share: checks, prompts to SamplingParams, the engine's streams, tokenize.
+"""What the OpenAI endpoints share: the HTTP API's own checks, requests to SamplingParams, the engine's
+streams (the engine's refusals as 400s), tokenize.
 
 Nothing in the server's endpoint modules knows aiohttp: an endpoint returns a response Struct, or an async
 iterator of SSE event bytes whose first item comes after the request's first step (so a request that fails
-early still gets a proper status). completions.py and chat.py build on this module.
+early still gets a proper status). completions.py and chat.py build on this module and responses.py.
 """
 
 from __future__ import annotations
@@ -14,17 +15,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from tinypaged.errors import RequestError
-from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
 from tinypaged.server.metrics import ServerMetrics
 
 _LONG_TEXT = 8192  # tokenize texts longer than this (characters) in a thread, off the event loop
-
-_encoder = msgspec.json.Encoder()
 
 
 class APIError(Exception):
@@ -52,31 +49,12 @@ def request_error(e: RequestError, prompt_param: str = "prompt") -> APIError:
     return APIError(400, str(e), param=param, code=e.code)
 
 
-def sse(payload: Any) -> bytes:
-    """One server-sent event carrying `payload` as JSON."""
-    return b"data: " + _encoder.encode(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 @dataclass
 class TokenizedPrompt:
     """A prompt's text (None when given as token ids) and its token ids."""
 
     text: str | None
     ids: list[int]
-
-
-@dataclass
-class ChoiceState:
-    """What a stream has sent of one choice so far."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    started: bool = False
-    done: bool = False
 
 
 class OpenAIServing:
@@ -232,12 +210,14 @@ class OpenAIServing:
         params: list[SamplingParams],
         prompt_param: str = "prompt",
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Start one engine request per prompt; their outputs merged, tagged with the prompt's index.
+        """Start one engine request per prompt (503 first when the queue is full); their outputs merged, tagged
+        with the prompt's index.
 
         A prompt's `n` (or `best_of`) sequences are one request: the engine forks them after the prompt, so
         they share its KV blocks; each output's `index` tells them apart. `prompt_param` is what the request
         calls its prompt, for the engine's errors.
         """
+        self.check_queue()
         gens = [
             self._track(
                 self.engine.generate(
@@ -297,52 +277,6 @@ class OpenAIServing:
                 )
             ]
         )
-
-
-def final_only(params: SamplingParams) -> bool:
-    """Whether a stream sends each choice only once the request is done: with best_of > n or beam search,
-    which sequences are returned (and in what order) is known only at the end."""
-    return params.use_beam_search or params.num_seqs > params.n
-
-
-def advance(st: ChoiceState, o: CompletionOutput) -> tuple[str, list[int], list | None]:
-    """The text, token ids and logprobs a choice gained since the last chunk; marks it done when finished.
-
-    The engine's text of a running output already holds back any tail that could begin a stop string, so
-    text sent is never cut later.
-    """
-    st.done = o.finish_reason is not None
-    delta = o.text[st.text_len :]
-    st.text_len = len(o.text)
-    new_ids = o.token_ids[st.num_tokens :]
-    new_lps = o.logprobs[st.num_tokens :] if o.logprobs is not None else None
-    st.num_tokens = len(o.token_ids)
-    return delta, new_ids, new_lps
-
-
-def raise_if_failed(out: RequestOutput) -> None:
-    """400 for a request the engine ended without running (e.g. one that can never fit in the cache)."""
-    if out.error:
-        raise APIError(400, out.error)
-
-
-def usage_of(finals: list[RequestOutput]) -> p.UsageInfo:
-    """Token counts of finished requests: each prompt once, every choice's output."""
-    prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
-    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
-    """The final output of each of `n` merged requests, in index order."""
-    finals: list[RequestOutput | None] = [None] * n
-    async with contextlib.aclosing(outputs):
-        async for i, out in outputs:
-            if out.finished:
-                raise_if_failed(out)
-                finals[i] = out
-    assert all(f is not None for f in finals)
-    return finals  # type: ignore[return-value]
 
 
 async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
