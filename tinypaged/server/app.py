@@ -7,7 +7,7 @@ import hmac
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -15,12 +15,13 @@ import msgspec
 from aiohttp import web
 
 from tinypaged import __version__
+from tinypaged.engine.client import EngineClient
 from tinypaged.server import protocol as p
 from tinypaged.server.chat import create_chat_completion
 from tinypaged.server.completions import create_completion
 from tinypaged.server.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.server.responses import SSE_DONE, sse
-from tinypaged.server.serving import APIError, OpenAIServing
+from tinypaged.server.serving import APIError, OpenAIServing, model_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ServerConfig:
 
 
 SERVING: web.AppKey[OpenAIServing] = web.AppKey("serving", OpenAIServing)
-ENGINE: web.AppKey[Any] = web.AppKey("engine", object)
+ENGINE: web.AppKey[EngineClient] = web.AppKey("engine", EngineClient)
 CONFIG: web.AppKey[ServerConfig] = web.AppKey("config", ServerConfig)
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 
@@ -132,15 +133,17 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
+async def _respond(
+    request: web.Request, result: msgspec.Struct | AsyncGenerator[bytes, None]
+) -> web.StreamResponse:
     """A Struct as JSON, or an SSE stream; its headers go out with the first event (after the first step)."""
-    if not isinstance(result, AsyncIterator):
+    if not isinstance(result, AsyncGenerator):
         return json_response(result)
-    events: AsyncIterator[bytes] = result
+    events = result
     try:
         first = await anext(events)
     except BaseException:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
@@ -158,7 +161,7 @@ async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
         info = p.ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error")
         await resp.write(sse(p.ErrorResponse(error=info)) + SSE_DONE)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     await resp.write_eof()
     return resp
 
@@ -213,9 +216,9 @@ async def openapi(request: web.Request) -> web.StreamResponse:
     return json_response(p.openapi_schema(__version__))
 
 
-def build_app(engine: Any, config: ServerConfig) -> web.Application:
-    """The application over a built (not necessarily started) AsyncEngine; it starts and stops the engine."""
-    name = config.served_model_name or engine.config.model.name
+def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
+    """The application over a built (not necessarily started) engine; it starts and stops the engine."""
+    name = config.served_model_name or model_path(engine.config).name
     # aiohttp's own limit backs up the Content-Length check for chunked bodies (it answers 413 too).
     app = web.Application(
         middlewares=[error_middleware, gate_middleware], client_max_size=config.max_body_bytes
@@ -245,7 +248,7 @@ def build_app(engine: Any, config: ServerConfig) -> web.Application:
     return app
 
 
-async def start_server(engine: Any, config: ServerConfig) -> tuple[web.AppRunner, str]:
+async def start_server(engine: EngineClient, config: ServerConfig) -> tuple[web.AppRunner, str]:
     """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free)."""
     app = build_app(engine, config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
@@ -268,7 +271,7 @@ async def stop_server(runner: web.AppRunner) -> None:
     await runner.cleanup()
 
 
-async def run_server(engine_factory: Callable[[], Any], config: ServerConfig) -> None:
+async def run_server(engine_factory: Callable[[], EngineClient], config: ServerConfig) -> None:
     """Load the model, serve until SIGTERM or SIGINT, then shut down gracefully."""
     engine = engine_factory()
     runner, url = await start_server(engine, config)
@@ -282,7 +285,7 @@ async def run_server(engine_factory: Callable[[], Any], config: ServerConfig) ->
     await stop_server(runner)
 
 
-def serve(engine_factory: Callable[[], Any], config: ServerConfig) -> int:
+def serve(engine_factory: Callable[[], EngineClient], config: ServerConfig) -> int:
     """Run the server on uvloop until it is told to stop; 0 on a clean shutdown."""
     import uvloop
 

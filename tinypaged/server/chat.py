@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +73,7 @@ class ChatFormat:
 
 async def create_chat_completion(
     serving: OpenAIServing, req: p.ChatCompletionRequest
-) -> msgspec.Struct | AsyncIterator[bytes]:
+) -> msgspec.Struct | AsyncGenerator[bytes, None]:
     """`/v1/chat/completions`: the whole response, or its SSE events when `stream`."""
     serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ class CompletionFormat:
 
 async def create_completion(
     serving: OpenAIServing, req: p.CompletionRequest
-) -> msgspec.Struct | AsyncIterator[bytes]:
+) -> msgspec.Struct | AsyncGenerator[bytes, None]:
     """`/v1/completions`: the whole response, or its SSE events when `stream`."""
     serving.check_model(req.model)
     prompts = await _completion_prompts(serving, req.prompt)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tinypaged.outputs import Logprob, RequestOutput
 from tinypaged.server import protocol as p
+from tinypaged.tokenizer import Tokenizer
 
 Entries = Sequence[dict[int, Logprob] | None] | None
 
 
-def _token_text(token_id: int, entry: dict[int, Logprob] | None, tokenizer: Any) -> str:
+def _token_text(token_id: int, entry: dict[int, Logprob] | None, tokenizer: Tokenizer) -> str:
     lp = entry.get(token_id) if entry else None
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
@@ -34,7 +34,7 @@ def extend_legacy(
     token_ids: Sequence[int],
     entries: Entries,
     k: int,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     offset: int | None = None,
 ) -> int:
     """Append tokens to the legacy completions format; returns the text offset after the last one.
@@ -59,7 +59,7 @@ def extend_legacy(
     return offset
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Entries, k: int, tokenizer: Any) -> p.ChatLogprobs:
+def chat_logprobs(token_ids: Sequence[int], entries: Entries, k: int, tokenizer: Tokenizer) -> p.ChatLogprobs:
     """The chat format: per token its text, logprob, UTF-8 bytes and the top `k` alternatives."""
     content = []
     for j, token in enumerate(token_ids):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from typing import Any
+
+from tinypaged.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,9 +102,8 @@ class ServerMetrics:
         """Count a request that ran to its end (stop or length), or one that was aborted."""
         self.finished[finish_reason or "abort"] += 1
 
-    def render(self, stats: Any) -> str:
-        """The whole exposition; `stats` is the engine's `stats()` (an object or a mapping)."""
-        get = stats.get if isinstance(stats, dict) else (lambda k: getattr(stats, k))
+    def render(self, stats: EngineStats) -> str:
+        """The whole exposition; `stats` is the engine's `stats()`."""
         lines: list[str] = []
         for name, kind, help_text, field in ENGINE_METRICS:
             # The classic text format names a counter with its `_total` suffix on the TYPE line too.
@@ -111,7 +111,7 @@ class ServerMetrics:
             lines += [
                 f"# HELP {full} {help_text}",
                 f"# TYPE {full} {kind}",
-                f"{full}{{{self.labels}}} {_number(get(field))}",
+                f"{full}{{{self.labels}}} {_number(getattr(stats, field))}",
             ]
         full = f"{self.prefix}request_success_total"
         lines += [f"# HELP {full} Count of finished requests by finish reason.", f"# TYPE {full} counter"]

@@ -310,7 +310,7 @@ def openapi_schema(version: str) -> dict:
     error = {"description": "error", "content": {"application/json": {"schema": ref[ErrorResponse]}}}
     paths: dict[str, dict] = {}
     for method, path, req, resp, summary in ROUTES:
-        ok = {"description": "OK"}
+        ok: dict = {"description": "OK"}
         if resp is not None:
             ok["content"] = {"application/json": {"schema": ref[resp]}}
         op: dict = {"summary": summary, "responses": {"200": ok}}

@@ -7,7 +7,7 @@ completions.py and chat.py each give them a `Formatter`: how a delta looks in th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,11 +101,11 @@ class Formatter(Protocol):
 
 
 async def respond(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     req: p.CompletionRequest | p.ChatCompletionRequest,
     params: list[SamplingParams],
     formatter: Formatter,
-) -> msgspec.Struct | AsyncIterator[bytes]:
+) -> msgspec.Struct | AsyncGenerator[bytes, None]:
     """The prompts' choices (`n` each, from `OpenAIServing.generate`): the whole response, or its SSE events
     when `req.stream`."""
     n = params[0].n
@@ -122,12 +122,12 @@ async def respond(
 
 
 async def stream(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     n: int,
     formatter: Formatter,
     wait: bool,
     include_usage: bool,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """SSE events of every prompt's choices as they grow, then the usage chunk (when asked for) and [DONE].
 
     For each engine output: one chunk of the heads of choices new to the stream (chat's role), then one of the
@@ -159,7 +159,7 @@ async def stream(
     yield SSE_DONE
 
 
-async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+async def collect(outputs: AsyncGenerator[tuple[int, RequestOutput], None], n: int) -> list[RequestOutput]:
     """The final output of each of `n` merged requests, in index order."""
     finals: list[RequestOutput | None] = [None] * n
     async with contextlib.aclosing(outputs):

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
+from tinypaged.config import EngineConfig
+from tinypaged.engine.client import EngineClient
 from tinypaged.errors import RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -22,6 +24,18 @@ from tinypaged.server import protocol as p
 from tinypaged.server.metrics import ServerMetrics
 
 _LONG_TEXT = 8192  # tokenize texts longer than this (characters) in a thread, off the event loop
+
+
+# The server's only reads of the model's part of EngineConfig (beside max_model_len): one line each to change
+# if the config is reshaped again.
+def model_path(config: EngineConfig) -> Path:
+    """The served model's directory (`config.model` once built, which is typed to take a str or None too)."""
+    return config.model_config.path
+
+
+def vocab_size(config: EngineConfig) -> int:
+    """The number of token ids the model knows."""
+    return config.model_config.vocab_size
 
 
 class APIError(Exception):
@@ -61,14 +75,16 @@ class OpenAIServing:
     """The served model behind the endpoints: its engine, tokenizer, name, limits and metrics."""
 
     def __init__(
-        self, engine: Any, model_name: str, metrics: ServerMetrics, max_queue_len: int | None
+        self, engine: EngineClient, model_name: str, metrics: ServerMetrics, max_queue_len: int | None
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self.max_queue_len = max_queue_len
-        self.max_model_len: int = engine.config.max_model_len
+        max_model_len = engine.config.max_model_len
+        assert max_model_len is not None  # a built config has it (the model's, when not given)
+        self.max_model_len = max_model_len
         self.created = int(time.time())
 
     # ---- checks shared by the endpoints ---------------------------------------------------------------
@@ -168,7 +184,7 @@ class OpenAIServing:
 
     async def _track(
         self, gen: AsyncIterator[RequestOutput], prompt_param: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; the
         engine's refusal of the request as a 400."""
         start = time.monotonic()
@@ -201,7 +217,9 @@ class OpenAIServing:
         finally:
             if outcome is not None:
                 self.metrics.request_finished(outcome)
-            await gen.aclose()  # aborts the request in the engine if it is still running
+            # Aborts the request in the engine if it is still running (EngineClient types the stream as an
+            # AsyncIterator, but closing it is part of its contract).
+            await gen.aclose()  # type: ignore[attr-defined]
 
     def generate(
         self,
@@ -209,7 +227,7 @@ class OpenAIServing:
         prompts: list[TokenizedPrompt],
         params: list[SamplingParams],
         prompt_param: str = "prompt",
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Start one engine request per prompt (503 first when the queue is full); their outputs merged, tagged
         with the prompt's index.
 
@@ -259,7 +277,7 @@ class OpenAIServing:
     def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
         """The text of token ids."""
         self.check_model(req.model)
-        vocab = self.engine.config.model_config.vocab_size
+        vocab = vocab_size(self.engine.config)
         bad = next((t for t in req.tokens if t >= vocab), None)
         if bad is not None:  # not a generation request: the engine never sees these ids
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
@@ -272,14 +290,16 @@ class OpenAIServing:
                 p.ModelCard(
                     id=self.model_name,
                     created=self.created,
-                    root=str(self.engine.config.model),
+                    root=str(model_path(self.engine.config)),
                     max_model_len=self.max_model_len,
                 )
             ]
         )
 
 
-async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(
+    gens: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave the outputs of several requests as they come, tagged with the request's index.
 
     Closing the merged iterator (or an error from one request) cancels and closes every request.
@@ -291,7 +311,7 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async with contextlib.aclosing(gen):
                 async for out in gen:
