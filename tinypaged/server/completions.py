@@ -72,11 +72,9 @@ class CompletionFormat:
         if k is not None:
             logprobs = p.CompletionLogprobs()
             offset = self.offsets.get(d.index, 0)
-            if echo:
-                prompt_lps = fmt.prompt_logprobs(d.request)
-                offset = fmt.extend_legacy(
-                    logprobs, d.request.prompt_token_ids, prompt_lps, k, self.tokenizer, offset
-                )
+            if echo:  # the prompt's logprobs: None for its first token, as vLLM has them
+                prompt, prompt_lps = d.request.prompt_token_ids, d.request.prompt_logprobs
+                offset = fmt.extend_legacy(logprobs, prompt, prompt_lps, k, self.tokenizer, offset)
             self.offsets[d.index] = fmt.extend_legacy(
                 logprobs, d.token_ids, d.logprobs, k, self.tokenizer, offset
             )

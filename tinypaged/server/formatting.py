@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tinypaged.outputs import Logprob, RequestOutput
+from tinypaged.outputs import Logprob
 from tinypaged.server import protocol as p
 from tinypaged.tokenizer import Tokenizer
 
@@ -24,25 +24,16 @@ def _top(entry: dict[int, Logprob], k: int, token_id: int | None) -> list[tuple[
     return sorted(items, key=lambda item: item[1].rank)
 
 
-def prompt_logprobs(out: RequestOutput) -> Entries:
-    """The prompt's logprobs when the engine computed them (vLLM's shape: None for the first token)."""
-    return getattr(out, "prompt_logprobs", None)
-
-
 def extend_legacy(
     logprobs: p.CompletionLogprobs,
     token_ids: Sequence[int],
     entries: Entries,
     k: int,
     tokenizer: Tokenizer,
-    offset: int | None = None,
+    offset: int,
 ) -> int:
-    """Append tokens to the legacy completions format; returns the text offset after the last one.
-
-    `offset` is where the first token starts in the choice's text (default: after what `logprobs` holds).
-    """
-    if offset is None:
-        offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
+    """Append tokens to the legacy completions format, the first at text offset `offset` in the choice;
+    returns the offset after the last one."""
     for j, token in enumerate(token_ids):
         entry = entries[j] if entries is not None and j < len(entries) else None
         text = _token_text(token, entry, tokenizer)

@@ -115,6 +115,7 @@ class OpenAIServing:
             )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text (a long one tokenized in a thread)."""
         if len(text) > _LONG_TEXT:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
@@ -149,6 +150,7 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams; SamplingParams' own checks come back as 400s naming the field."""
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -208,7 +210,7 @@ class OpenAIServing:
                         "error" if out.error or not out.outputs else out.outputs[0].finish_reason
                     )
                 yield out
-        except RequestError as e:  # raised before anything was queued: the engine's one validation
+        except RequestError as e:  # the engine refused the request (its one validation of every request)
             outcome = None
             raise request_error(e, prompt_param) from e
         except Exception:
