@@ -56,6 +56,27 @@ def oracle_tokenizer(gguf_path: Path):
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
+def _generate_with_stats(engine, prompts: list, params: list) -> tuple[list, list]:  # noqa: ANN001
+    """What LLM.generate does, keeping each step's StepStats: (final outputs in order, stats per step)."""
+    requests = [
+        engine.process_inputs(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    for request in requests:
+        engine.add(request)
+    finals, steps = {}, []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        steps.append(result.stats)
+        finals.update((o.request_id, o) for o in result.outputs if o.finished)
+    return [finals[r.request_id] for r in requests], steps
+
+
+@pytest.fixture
+def generate_with_stats():
+    """`generate_with_stats(engine, prompts, params_list) -> (outputs, [StepStats per step])`."""
+    return _generate_with_stats
+
+
 @pytest.fixture
 def run_paged():
     """Run a model over a paged KV cache with a simple block assignment (see `_run_paged`)."""

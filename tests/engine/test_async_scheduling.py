@@ -15,7 +15,6 @@ import pytest
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.stats import StepStats
 
 WORDS = "the a river mountain quickly blue seven engine paged memory block table copy write token".split()
 
@@ -48,20 +47,6 @@ def _summary(outs) -> list:  # noqa: ANN001
     ]
 
 
-def _generate(
-    engine: LLMEngine, prompts: list[str], params: list[SamplingParams]
-) -> tuple[list, list[StepStats]]:
-    """LLM.generate's loop, keeping every step's statistics."""
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    finals, stats = {}, []
-    while engine.has_unfinished_requests():
-        result = engine.step()
-        stats.append(result.stats)
-        finals.update((o.request_id, o) for o in result.outputs if o.finished)
-    return [finals[str(i)] for i in range(len(prompts))], stats
-
-
 def _assert_clean(engine: LLMEngine) -> None:
     engine.check_integrity()
     stats = engine.stats()
@@ -91,9 +76,11 @@ def reference(model_dir: Path) -> list:
     ],
     ids=["roomy", "recompute", "swap", "chunked", "prefix-caching"],
 )
-def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict) -> None:
+def test_async_outputs_match_sync(
+    model_dir: Path, reference: list, kwargs: dict, generate_with_stats
+) -> None:
     llm = LLM(model=model_dir, async_scheduling=True, **kwargs)
-    outs, steps = _generate(llm.engine, PROMPTS, PARAMS)
+    outs, steps = generate_with_stats(llm.engine, PROMPTS, PARAMS)
     got = _summary(outs)
     if not kwargs:
         # The same batches as the synchronous engine: bit for bit the same results, logprobs included.
@@ -118,17 +105,19 @@ def test_async_outputs_match_sync(model_dir: Path, reference: list, kwargs: dict
     if "preemption_mode" in kwargs:
         assert sched.num_preemptions > 0
     if kwargs.get("enable_prefix_caching"):
-        assert llm.engine.kv.num_prefix_hit_blocks > 0  # the prompts share their first words
+        assert llm.engine.stats().prefix_cache_hits_total > 0  # the prompts share their first words
     _assert_clean(llm.engine)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_while_token_pending(model_dir: Path, reference: list, mode: str) -> None:
+def test_preempted_while_token_pending(
+    model_dir: Path, reference: list, mode: str, generate_with_stats
+) -> None:
     """Greedy requests only (every step deferred) in a cache so small that sequences are preempted with
     their last token still on the device: they get it before they run again, and outputs do not change."""
     ids = [i for i, p in enumerate(PARAMS) if p is KINDS[0] or p is KINDS[6]]
     llm = LLM(model=model_dir, async_scheduling=True, num_gpu_blocks_override=8, preemption_mode=mode)
-    outs, steps = _generate(llm.engine, [PROMPTS[i] for i in ids], [PARAMS[i] for i in ids])
+    outs, steps = generate_with_stats(llm.engine, [PROMPTS[i] for i in ids], [PARAMS[i] for i in ids])
     assert _summary(outs) == [reference[i] for i in ids]  # greedy, no logprobs: equal even in other batches
     pending_at_preemption = [st.num_preempted_pending for st in steps if st.num_preempted]
     print(

@@ -69,7 +69,7 @@ def test_filters_match_reference(kw: dict) -> None:
     logits = torch.tensor([[1.0, 2.5, 0.3, 2.0, -1.0, 1.7, 0.9, 2.2]])
     p = SamplingParams(**kw)
     probs = torch.softmax(logits / p.temperature, dim=-1)
-    got = Sampler._filter(probs, [p])[0]
+    got = Sampler.filter_probs(probs, [p])[0]
     torch.testing.assert_close(got / got.sum(), _reference_probs(logits[0], p))
 
 
@@ -195,7 +195,7 @@ def test_top_p_past_the_candidate_cap_sorts_in_full() -> None:
     logits = torch.randn(3, 3000, generator=gen) * torch.tensor([[0.1], [5.0], [0.1]])  # flat, peaked, flat
     params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=2000)]
     probs = torch.softmax(logits, dim=-1)
-    got = Sampler._filter(probs, params)
+    got = Sampler.filter_probs(probs, params)
     for i, p in enumerate(params):
         ref = probs[i].sort(descending=True).values
         ref = ref[: p.top_k or len(ref)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 
 from tinypaged.config import EngineConfig
@@ -127,7 +127,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's cumulative RequestOutput after each step it advanced in (the newest only, when
         several are waiting for a slow consumer); the last is finished.
 

@@ -6,7 +6,7 @@ and could as well talk to an engine in another process.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from tinypaged.config import EngineConfig
@@ -45,7 +45,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's cumulative outputs, the last one finished.
 
         A request the engine will not run raises RequestError (naming the parameter) before anything is

@@ -304,6 +304,7 @@ class LLMEngine:
             num_seqs=len(sched.scheduled),
             num_prefill_tokens=sched.num_batched_tokens - decode,
             num_decode_tokens=decode,
+            num_partial_prefills=sum(1 for s in sched.scheduled if not s.do_sample),
             num_draws=queued.num_draws if queued is not None else 0,
             graph_batch_size=executed.graph_batch_size if executed is not None else 0,
             num_preempted=len(sched.preempted),

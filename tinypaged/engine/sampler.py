@@ -127,7 +127,7 @@ class Sampler:
         if not all(p.greedy for p in params):
             temps = upload([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
             probs = torch.softmax(logits / temps[:, None], dim=-1)
-            probs = self._filter(probs, params)
+            probs = self.filter_probs(probs, params)
             # Inverse-CDF draw: one uniform per row (no [N, vocab] noise); a zero-probability token has a flat
             # CDF step, so searching for the first CDF value above u * total never lands on it.
             cdf = probs.cumsum(dim=-1)
@@ -203,7 +203,7 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0)
 
     @staticmethod
-    def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Zero what top-k, top-p (over the renormalised top-k) and min-p rule out; keep the best token.
 
         Each rule becomes a per-row probability threshold, found among the top `cap` candidates (a partial

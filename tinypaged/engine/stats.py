@@ -20,6 +20,7 @@ class StepStats:
     num_seqs: int  # sequences in this step's forward pass
     num_prefill_tokens: int  # tokens of chunks that do not sample, or sample after more than one new token
     num_decode_tokens: int  # one-token chunks that sample (a decode)
+    num_partial_prefills: int  # sequences whose chunk stops short of their last token (chunked prefill)
     num_draws: int  # next-token draws queued: tokens sampled, or log-probability rows scored (beams)
     graph_batch_size: int  # > 0: the forward pass replayed the CUDA graph captured for this batch size
     num_preempted: int  # requests preempted by this step's schedule

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +185,7 @@ class OpenAIServing:
     # ---- generation -----------------------------------------------------------------------------------
 
     async def _track(
-        self, gen: AsyncIterator[RequestOutput], prompt_param: str
+        self, gen: AsyncGenerator[RequestOutput, None], prompt_param: str
     ) -> AsyncGenerator[RequestOutput, None]:
         """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; the
         engine's refusal of the request as a 400."""
@@ -219,9 +219,7 @@ class OpenAIServing:
         finally:
             if outcome is not None:
                 self.metrics.request_finished(outcome)
-            # Aborts the request in the engine if it is still running (EngineClient types the stream as an
-            # AsyncIterator, but closing it is part of its contract).
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()  # aborts the request in the engine if it is still running
 
     def generate(
         self,
