@@ -175,6 +175,20 @@ def test_metrics_move_while_requests_run(server) -> None:
         assert _value(after, family, "_bucket", le="+Inf") == _value(after, family, "_count")
     done = _value(after, "tinypaged:request_success", "_total", finished_reason="length")
     assert done >= 3
+    # Step statistics: every step counted; each token computed once (prompts, then each output token but the
+    # last, which is sampled and never fed back).
+    steps = _value(after, "tinypaged:engine_steps", "_total") - _value(
+        before, "tinypaged:engine_steps", "_total"
+    )
+    assert steps >= 24
+    assert _value(after, "tinypaged:engine_step_seconds", "_count") >= steps
+    prompt = _value(after, "tinypaged:prompt_tokens", "_total") - _value(
+        before, "tinypaged:prompt_tokens", "_total"
+    )
+    computed = _value(after, "tinypaged:iteration_tokens_total", "_sum") - _value(
+        before, "tinypaged:iteration_tokens_total", "_sum"
+    )
+    assert computed == prompt + gen - 3
 
 
 def test_tokenize_detokenize_models_version_openapi(raw, server) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tinypaged.config import EngineConfig
@@ -72,7 +72,7 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = False
         self._dead: str | None = None  # why the loop died, if it did
-        self.last_step: StepStats | None = None  # the statistics of the newest step
+        self._step_listeners: list[Callable[[StepStats], None]] = []
 
     # ---- passthroughs ---------------------------------------------------------------------------------
 
@@ -93,6 +93,10 @@ class AsyncEngine:
     def check_integrity(self) -> None:
         """The KV cache manager's invariants (AssertionError if broken); call it while no step runs."""
         self.engine.check_integrity()
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call `listener` with each step's statistics, on the event loop, as the step completes."""
+        self._step_listeners.append(listener)
 
     @property
     def is_running(self) -> bool:
@@ -195,8 +199,9 @@ class AsyncEngine:
                     self._fail(e.request_ids, EngineError(str(e)))
                     self._dispatch(e.outputs)
                     continue
-                self.last_step = result.stats
                 self._dispatch(result.outputs)
+                for listener in self._step_listeners:
+                    listener(result.stats)
         except BaseException as e:
             # Scheduler state is unknown after an error outside a step's model work: fail everything.
             self._dead = f"{type(e).__name__}: {e}"

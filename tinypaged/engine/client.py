@@ -6,12 +6,12 @@ and could as well talk to an engine in another process.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import Prompt
-from tinypaged.engine.stats import EngineStats
+from tinypaged.engine.stats import EngineStats, StepStats
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -59,4 +59,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """Queue lengths, cache usage and counters right now."""
+        ...
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call `listener` with each step's statistics, on the event loop, as the step completes."""
         ...

@@ -225,7 +225,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     )
     app[ENGINE] = engine
     app[CONFIG] = config
-    app[SERVING] = OpenAIServing(engine, name, ServerMetrics(name), config.max_queue_len)
+    server_metrics = ServerMetrics(name)
+    engine.add_step_listener(server_metrics.observe_step)
+    app[SERVING] = OpenAIServing(engine, name, server_metrics, config.max_queue_len)
     app[DRAINING] = asyncio.Event()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

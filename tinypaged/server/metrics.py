@@ -10,12 +10,14 @@ import bisect
 import math
 from collections import Counter
 
-from tinypaged.engine.stats import EngineStats
+from tinypaged.engine.stats import EngineStats, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 # (metric name, type, help, the engine's stats() field): read at scrape time.
@@ -33,6 +35,14 @@ ENGINE_METRICS = (
     ("num_preemptions", "counter", "Cumulative number of preemptions.", "num_preemptions"),
     ("prompt_tokens", "counter", "Number of prefill tokens processed.", "prompt_tokens_total"),
     ("generation_tokens", "counter", "Number of generation tokens processed.", "generation_tokens_total"),
+    (
+        "prefix_cache_queries",
+        "counter",
+        "Prompt blocks looked up in the prefix cache at admission.",
+        "prefix_cache_queries_total",
+    ),
+    ("prefix_cache_hits", "counter", "Prompt blocks found in the prefix cache.", "prefix_cache_hits_total"),
+    ("engine_steps", "counter", "Engine steps run.", "num_steps"),
 )
 
 
@@ -96,7 +106,22 @@ class ServerMetrics:
             "Histogram of end to end request latency in seconds.",
             E2E_BUCKETS,
         )
+        self.iteration_tokens = Histogram(
+            f"{p}iteration_tokens_total", "Histogram of tokens per engine step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.step_time = Histogram(
+            f"{p}engine_step_seconds",
+            "Histogram of the host time of one engine step (schedule, execute, sample, update).",
+            STEP_BUCKETS,
+        )
         self.finished: Counter[str] = Counter()
+
+    def observe_step(self, stats: StepStats) -> None:
+        """Count one engine step (the engine calls this with each step's statistics)."""
+        tokens = stats.num_prefill_tokens + stats.num_decode_tokens
+        if tokens:
+            self.iteration_tokens.observe(tokens)
+        self.step_time.observe(stats.total_s)
 
     def request_finished(self, finish_reason: str | None) -> None:
         """Count a request that ran to its end (stop or length), or one that was aborted."""
@@ -119,6 +144,6 @@ class ServerMetrics:
             lines.append(
                 f'{full}{{{self.labels},finished_reason="{_escape(reason)}"}} {self.finished[reason]}'
             )
-        for hist in (self.ttft, self.tpot, self.e2e):
+        for hist in (self.ttft, self.tpot, self.e2e, self.iteration_tokens, self.step_time):
             lines += hist.render(self.labels)
         return "\n".join(lines) + "\n"
