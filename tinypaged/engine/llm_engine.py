@@ -14,6 +14,7 @@ from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.beam_search import BeamSearch
+from tinypaged.engine.inputs import InputProcessor
 from tinypaged.engine.model_runner import ExecuteOutput, ModelRunner
 from tinypaged.engine.output_processor import OutputProcessor
 from tinypaged.engine.parallel_sampling import ParallelSampling
@@ -114,6 +115,7 @@ class LLMEngine:
         self.eos_ids = frozenset(config.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        self.inputs = InputProcessor(config, self.tokenizer)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
         self.async_scheduling = (
             config.async_scheduling
@@ -130,63 +132,9 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------
 
     def process_inputs(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
-        """Check a request and tokenize its prompt; RequestError naming the parameter if it cannot run.
-
-        Nothing is queued: `add` queues what this returns. This is the one place requests are validated, for
-        every client (the offline LLM, the CLI, the HTTP server).
-        """
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.verify()
-        cfg, vocab = self.config, self.config.model_config.vocab_size
-        if params.prompt_logprobs is not None and cfg.enable_prefix_caching:
-            raise RequestError(
-                "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)",
-                "prompt_logprobs",
-            )
-        if params.num_seqs > cfg.max_num_seqs:
-            # One request's sequences are scheduled together (they share the prompt's blocks): all must fit.
-            name = "best_of" if params.best_of is not None else "n"
-            raise RequestError(
-                f"{name} must be at most max_num_seqs ({cfg.max_num_seqs}), got {params.num_seqs}", name
-            )
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise RequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", "stop_token_ids")
-        text, ids = self._tokenize(prompt)
-        if len(ids) >= cfg.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, your prompt "
-                f"has {len(ids)} tokens, which leaves no room for output. Please reduce the length of the "
-                "prompt.",
-                "prompt",
-                "context_length_exceeded",
-            )
-        return EngineRequest(request_id, text, ids, params)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (if any) and its token ids, each id in the vocabulary."""
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            vocab = self.config.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})", "prompt")
-        else:
-            raise RequestError(
-                "a prompt is a string or {'prompt_token_ids': [...]}, got "
-                + (
-                    f"a dict with keys {sorted(prompt)}"
-                    if isinstance(prompt, dict)
-                    else type(prompt).__name__
-                ),
-                "prompt",
-            )
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        return text, ids
+        """Check a request and tokenize its prompt (RequestError naming the parameter if it cannot run);
+        nothing is queued: `add` queues what this returns."""
+        return self.inputs.process(request_id, prompt, params)
 
     def add(self, request: EngineRequest) -> None:
         """Queue a checked request (see `process_inputs`); RequestError if its id is in use."""
