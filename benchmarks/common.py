@@ -161,7 +161,7 @@ def summarize_steps(llm: LLM, stats: list[StepStats]) -> dict[str, Any]:
     out["kv_peak"] = {
         "blocks_used": used,
         "tokens": peak.num_kv_tokens,
-        "slot_utilisation": peak.num_kv_tokens / max(1, used * llm.config.cache.block_size),
+        "slot_utilisation": peak.num_kv_tokens / max(1, used * llm.config.block_size),
     }
     return out
 
@@ -264,7 +264,7 @@ def run_latency(
     llm: LLM, prompt_len: int = 512, gen_tokens: int = 256, ttft_len: int = 1024, seed: int = 0
 ) -> dict[str, Any]:
     """Batch-1 decode tokens/s with and without CUDA graphs, and TTFT of a `ttft_len`-token prompt."""
-    cfg = llm.config.model
+    cfg = llm.config.model_config
     engine, runner = llm.engine, llm.engine.runner
     rng = np.random.default_rng(seed)
     roofline_tps = (
@@ -328,7 +328,7 @@ def prompt_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """fp32 logits `[P, vocab]` of every position of each prompt, by one ragged prefill of the engine's model
     into a scratch paged cache (the kernels or references that `ops` picks now)."""
     runner = llm.engine.runner
-    dev, bs = runner.device, llm.config.cache.block_size
+    dev, bs = runner.device, llm.config.block_size
     widths = [-(-len(p) // bs) for p in prompts]
     kv = runner.allocate_kv_cache(sum(widths))
     tables, slots, first = [], [], 0
@@ -356,7 +356,7 @@ def run_checks(
     """Triton path against the torch-reference path on the same engine: greedy tokens and prompt logits.
 
     Returns (report, state for `hf_checks`: the prompts, our logits and tokens)."""
-    cfg = llm.config.model
+    cfg = llm.config.model_config
     rng = np.random.default_rng(seed + 7)
     prompts = [random_prompt(rng, n, cfg.vocab_size)["prompt_token_ids"] for n in lengths]
     params = greedy(max_tokens)
@@ -405,7 +405,7 @@ def fp32_greedy_check(
         model=model_dir, dtype="float32", max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=2048
     )
     rng = np.random.default_rng(seed + 7)
-    reqs = [random_prompt(rng, n, llm.config.model.vocab_size) for n in lengths]
+    reqs = [random_prompt(rng, n, llm.config.model_config.vocab_size) for n in lengths]
     params = greedy(max_tokens)
     graphs = [o.outputs[0].token_ids for o in llm.generate(reqs, params)]
     llm.engine.runner.use_cuda_graphs = False

@@ -31,9 +31,9 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(**({"model": args.model} if args.model else {}))
-    model_dir = llm.config.model.path
+    model_dir = llm.config.model_config.path
     rng = random.Random(args.seed)
-    vocab = llm.config.model.vocab_size
+    vocab = llm.config.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(args.requests)]
     out_lens = [rng.randint(16, 128) for _ in prompts]
     params = [greedy(n) for n in out_lens]

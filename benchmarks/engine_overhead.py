@@ -36,7 +36,7 @@ def measure(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> dic
     """Mean seconds per decode step in each phase, at this batch size."""
     engine = llm.engine
     rng = random.Random(seed)
-    vocab = engine.config.model.vocab_size
+    vocab = engine.config.model_config.vocab_size
     for i in range(batch):
         ids = [rng.randrange(vocab) for _ in range(prompt_len)]
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": ids}, sampling_params(steps))
@@ -62,7 +62,9 @@ def time_sampler(llm: LLM, batch: int, steps: int, seed: int) -> float:
     """Mean seconds of one `Sampler.sample` pass (result read back) over random logits `[batch, vocab]`."""
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, llm.config.model.vocab_size, generator=gen).to(runner.device, runner.dtype)
+    logits = torch.randn(batch, llm.config.model_config.vocab_size, generator=gen).to(
+        runner.device, runner.dtype
+    )
     rows = [SamplingRow(sampling_params(steps), [], []) for _ in range(batch)]
     sampler = Sampler()
     sampler.sample(logits, rows).result()  # warm-up

@@ -37,7 +37,7 @@ def main() -> None:
     llm = LLM(**kwargs, num_gpu_blocks_override=args.blocks, block_size=args.block_size, max_num_seqs=256)
     engine = llm.engine
     rng = random.Random(args.seed)
-    vocab = engine.config.model.vocab_size
+    vocab = engine.config.model_config.vocab_size
     max_len = {}
     for i in range(args.requests):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))]

@@ -40,7 +40,7 @@ def profile_batch1(llm: LLM, prompt_len: int, steps: int = 32, seed: int = 3) ->
     engine = llm.engine
     rng = np.random.default_rng(seed)
     engine.add_request(
-        "prof-b1", random_prompt(rng, prompt_len, llm.config.model.vocab_size), greedy(steps + 8)
+        "prof-b1", random_prompt(rng, prompt_len, llm.config.model_config.vocab_size), greedy(steps + 8)
     )
     for _ in range(4):
         engine.step()

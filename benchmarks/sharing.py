@@ -89,14 +89,14 @@ def main() -> None:
         "prompt_lens": [len(p) for p in prompts],
         "max_tokens": m,
         "width": w,
-        "block_size": llm.config.cache.block_size,
+        "block_size": llm.config.block_size,
         "workloads": workloads,
         "savings": {},
     }
     print(
         f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
         f"{m} new tokens, "
-        f"width {w}, block size {llm.config.cache.block_size}"
+        f"width {w}, block size {llm.config.block_size}"
     )
     print(
         f"{'workload':<20}{'peak shared':>12}{'peak copies':>12}{'saved':>8}{'blk-steps sh':>14}"

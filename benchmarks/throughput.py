@@ -370,7 +370,7 @@ def main() -> None:
         args.enforce_eager = True
         torch.cuda.empty_cache()
         llm = engine(True)
-    cfg = llm.config.model
+    cfg = llm.config.model_config
     res: dict[str, Any] = {
         "device": device_name(),
         "torch": torch.__version__,
