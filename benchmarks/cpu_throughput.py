@@ -3,20 +3,20 @@ one request at a time, on the same prompts, in one run.
 
     .venv/bin/python benchmarks/cpu_throughput.py [--requests 32] [--hf-requests 32]
 
-Workload (DESIGN.md): 32 requests, prompts of 32-256 random token ids, outputs of 16-128 tokens (EOS ignored),
-greedy, seed 1. HF runs from the same converted checkpoint in float32 with its KV cache.
+Workload (BENCHMARKS.md, "Targets"): 32 requests, prompts of 32-256 random token ids, outputs of 16-128 tokens
+(EOS ignored), greedy, seed 1. HF runs from the same converted checkpoint in float32 with its KV cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
 from pathlib import Path
 
 import torch
+from common import greedy, load_hf, write_json
 
 from tinypaged import LLM, SamplingParams
 
@@ -31,12 +31,12 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(**({"model": args.model} if args.model else {}))
-    model_dir = llm.config.model.path
+    model_dir = llm.config.model_config.path
     rng = random.Random(args.seed)
-    vocab = llm.config.model.vocab_size
+    vocab = llm.config.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(args.requests)]
     out_lens = [rng.randint(16, 128) for _ in prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [greedy(n) for n in out_lens]
 
     llm.generate({"prompt_token_ids": prompts[0][:8]}, SamplingParams(max_tokens=2))  # warm-up
     start = time.perf_counter()
@@ -44,9 +44,7 @@ def main() -> None:
     ours_s = time.perf_counter() - start
     ours_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load_hf(model_dir, torch.float32)
     n_hf = args.hf_requests or args.requests
     hf_tokens, same = 0, 0
     with torch.inference_mode():
@@ -78,8 +76,7 @@ def main() -> None:
         "speedup": (ours_tokens / ours_s) / (hf_tokens / hf_s),
         "identical_greedy_outputs": f"{same}/{n_hf}",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{'':34} {'output tok/s':>12} {'seconds':>8}")
     print(
         f"{'tinypaged, all requests batched':34} {result['ours']['output_tokens_per_s']:12.1f} {ours_s:8.1f}"

@@ -1,10 +1,13 @@
-"""Engine overhead: time per decode step in Python (schedule, prepare inputs, sample, update) vs the model.
+"""Engine overhead: time per decode step in each phase of `LLMEngine.step()`, from the StepStats it returns.
 
-Runs B requests (short random prompts, ignore EOS) on the default model until every one is decoding, then
-times `--steps` decode steps with the engine's parts wrapped in timers: the scheduler's schedule(), the
-runner's input preparation and block moves, the model forward (+ logits), the sampler, and the rest of the
-step's output processing (update_from_output, appending tokens, stop checks, detokenization,
-building RequestOutputs).
+Runs B requests (short random prompts, EOS ignored, temperature 0.8, top-p 0.95) on the default model until
+every one is decoding, then reads `--steps` decode steps' statistics: schedule; execute (block moves, input
+staging, the forward pass and logits, and the scheduler's bookkeeping; on the CPU the forward pass runs here);
+sample (each request's sampling rows and the sampler pass); update (applying tokens: appends, stop checks,
+detokenization, building RequestOutputs), of which wait (for sampled tokens to reach the host). The four
+phases add up to the whole call. Beside them, the sampler alone (`Sampler.sample`, its public API) on random
+logits of the same shape: flat distributions, as random prompt ids give, where top-p sorts the whole
+vocabulary.
 
     .venv/bin/python benchmarks/engine_overhead.py [--batches 1 32 256] [--steps 8]
         [--out benchmarks/results/engine_overhead-cpu.json]
@@ -13,81 +16,62 @@ building RequestOutputs).
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import platform
 import random
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import PHASES, run_steps, write_json
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.engine.sampler import Sampler, SamplingRow
 
-PARTS = ("schedule", "prepare", "forward", "sample", "update")
-
-
-def timed(fn: Callable[..., Any], name: str, acc: dict[str, float]) -> Callable[..., Any]:
-    """Wrap fn so that its wall time adds to acc[name]."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[name] += time.perf_counter() - t0
-
-    return wrapper
+COLUMNS = (*PHASES, "total")
 
 
 def measure(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> dict[str, float]:
-    """Mean seconds per decode step for each part, at this batch size."""
+    """Mean seconds per decode step in each phase, at this batch size."""
     engine = llm.engine
     rng = random.Random(seed)
-    vocab = engine.config.model.vocab_size
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 4, ignore_eos=True)
+    vocab = engine.config.model_config.vocab_size
     for i in range(batch):
         ids = [rng.randrange(vocab) for _ in range(prompt_len)]
-        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": ids}, params)
-    while (
-        any(
-            s.num_computed_tokens < s.prompt_len
-            for g in engine.scheduler.waiting + engine.scheduler.running
-            for s in g.seqs
-        )
-        or engine.scheduler.waiting
-    ):
-        engine.step()  # prefill (in chunks) until every request decodes
-    acc: dict[str, float] = defaultdict(float)
-    runner, sched, model = engine.runner, engine.scheduler, engine.runner.model
-    parts = [
-        (sched, "schedule", "schedule"),
-        (runner, "prepare", "prepare"),
-        (runner, "move_blocks", "prepare"),
-        (model, "forward", "forward"),
-        (model, "compute_logits", "forward"),
-        (engine.sampler, "sample", "sample"),
-        (engine, "_sample", "process"),  # builds the sampling rows, then calls the sampler
-        (engine, "_apply", "process"),
-        (sched, "update_from_output", "update"),
-    ]
-    for obj, attr, name in parts:
-        setattr(obj, attr, timed(getattr(obj, attr), name, acc))
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": ids}, sampling_params(steps))
+    loop = (result.stats for result in run_steps(llm, time_device=False))
+    for st in loop:  # prefill (in chunks) until a step decodes every request
+        if st.num_seqs == batch and not st.num_prefill_tokens:
+            break
+    timed = list(itertools.islice(loop, steps))
+    loop.close()
+    engine.abort_all()
+    assert len(timed) == steps and all(s.num_seqs == batch and not s.num_prefill_tokens for s in timed)
+    per_step = {p: sum(getattr(s, f"{p}_s") for s in timed) / steps for p in PHASES}
+    per_step["total"] = sum(s.total_s for s in timed) / steps
+    return per_step
+
+
+def sampling_params(steps: int) -> SamplingParams:
+    """What every request samples with: enough tokens for the prefill, one warm decode step and the timed ones."""
+    return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 4, ignore_eos=True)
+
+
+def time_sampler(llm: LLM, batch: int, steps: int, seed: int) -> float:
+    """Mean seconds of one `Sampler.sample` pass (result read back) over random logits `[batch, vocab]`."""
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, llm.config.model_config.vocab_size, generator=gen).to(
+        runner.device, runner.dtype
+    )
+    rows = [SamplingRow(sampling_params(steps), [], []) for _ in range(batch)]
+    sampler = Sampler()
+    sampler.sample(logits, rows).result()  # warm-up
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - t0
-    for obj, attr, _ in parts:
-        delattr(obj, attr)  # the class's method again
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    acc["update"] += acc.pop("process") - acc["sample"]  # output processing without the sampler itself
-    per_step = {k: acc[k] / steps for k in PARTS}
-    per_step["other"] = total / steps - sum(per_step.values())
-    per_step["total"] = total / steps
-    return per_step
+        sampler.sample(logits, rows).result()
+    return (time.perf_counter() - t0) / steps
 
 
 def main() -> None:
@@ -102,27 +86,30 @@ def main() -> None:
 
     kwargs = {"model": args.model} if args.model else {}
     llm = LLM(**kwargs, max_num_seqs=max(args.batches), max_num_batched_tokens=4096, max_model_len=512)
-    rows = {b: measure(llm, b, args.steps, args.prompt_len, args.seed) for b in args.batches}
+    rows: dict[int, dict[str, Any]] = {}
+    for b in args.batches:
+        rows[b] = measure(llm, b, args.steps, args.prompt_len, args.seed)
+        rows[b]["sampler_alone"] = time_sampler(llm, b, args.steps, args.seed)
     print(f"ms per decode step on {platform.machine()} ({torch.get_num_threads()} torch threads)")
-    print(f"{'batch':>6}" + "".join(f"{p:>10}" for p in (*PARTS, "other", "total")) + f"{'python %':>10}")
+    names = (*COLUMNS, "sampler only", "not execute")
+    print(f"{'batch':>6}" + "".join(f"{c:>13}" for c in names))
     for b, r in rows.items():
-        python = r["total"] - r["forward"]
         print(
             f"{b:>6}"
-            + "".join(f"{r[p] * 1e3:>10.2f}" for p in (*PARTS, "other", "total"))
-            + f"{python / r['total']:>10.1%}"
+            + "".join(f"{r[c] * 1e3:>13.2f}" for c in COLUMNS)
+            + f"{r['sampler_alone'] * 1e3:>13.2f}"
+            + f"{1 - r['execute'] / r['total']:>13.1%}"
         )
     result = {
         "benchmark": "engine_overhead",
         "platform": platform.platform(),
-        "device": "cpu",
+        "device": str(llm.engine.runner.device),
         "torch_threads": torch.get_num_threads(),
         "steps": args.steps,
         "prompt_len": args.prompt_len,
         "seconds_per_step": {str(b): r for b, r in rows.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"saved {args.out}")
 
 

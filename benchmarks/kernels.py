@@ -1,6 +1,6 @@
 """Check and time every Triton kernel on the GPU in one run, beside torch SDPA and the copy bandwidth.
 
-    PYTHONPATH=$PWD python3 benchmarks/kernels.py [--out DIR] [--quick]
+    python3 benchmarks/kernels.py [--out DIR] [--quick]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
@@ -13,11 +13,8 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,24 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from common import write_json
 from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-try:
-    import tinypaged.kernels as tk
-except ImportError:  # not pip-installed: map the repo's kernels/ onto tinypaged.kernels by hand
-    spec = importlib.util.spec_from_file_location(
-        "tinypaged.kernels",
-        ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
-    )
-    assert spec is not None and spec.loader is not None
-    tk = importlib.util.module_from_spec(spec)
-    sys.modules["tinypaged.kernels"] = tk
-    spec.loader.exec_module(tk)
-from tinypaged import ops  # noqa: E402
+import tinypaged.kernels as tk
+from tinypaged import ops
 
+ROOT = Path(__file__).resolve().parents[1]
 AttnConfig = tk.attention.AttnConfig
 DEV = "cuda"
 DT = torch.bfloat16
@@ -117,7 +103,7 @@ def sdpa_per_seq(q, kv, bt, seq_lens, qsl, scale) -> torch.Tensor:
     out = torch.empty_like(q)
     starts, lens = qsl.tolist(), seq_lens.tolist()
     for i, length in enumerate(lens):
-        k, v = ops._gather_context(kv, bt[i : i + 1], length)
+        k, v = ops.gather_context(kv, bt[i : i + 1], length)
         n = starts[i + 1] - starts[i]
         qpos = torch.arange(length - n, length, device=DEV)
         mask = torch.arange(length, device=DEV)[None, :] <= qpos[:, None]
@@ -530,9 +516,7 @@ def main() -> None:
     small(copy_bw)
     text = table()
     RESULTS["table"] = text
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels-h200.json").write_text(json.dumps(RESULTS, indent=1))
+    write_json(Path(args.out) / "kernels-h200.json", RESULTS)
     print("\n" + text)
 
 

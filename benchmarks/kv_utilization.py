@@ -3,8 +3,8 @@
 The paper's figure: a paged cache wastes at most one partly filled block per sequence, so well over 96% of
 the allocated slots hold tokens; a system that reserves each request's maximum length up front (Orca-style)
 wastes most of it. This script runs a workload through the real engine with a KV cache small enough to stay
-full, measures slot utilisation after every step, and sets it beside what reservation would have used for
-the same running sequences.
+full, reads the slots in use and the tokens they hold from every step's StepStats, and sets them beside what
+reservation would have used for the same running sequences.
 
     .venv/bin/python benchmarks/kv_utilization.py [--requests 48] [--blocks 160] [--block-size 16]
 """
@@ -12,13 +12,15 @@ the same running sequences.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
 from pathlib import Path
 
+from common import run_steps, write_json
+
 from tinypaged import LLM, SamplingParams
+from tinypaged.core.sequence import SequenceStatus
 
 
 def main() -> None:
@@ -33,9 +35,9 @@ def main() -> None:
 
     kwargs = {"model": args.model} if args.model else {}
     llm = LLM(**kwargs, num_gpu_blocks_override=args.blocks, block_size=args.block_size, max_num_seqs=256)
-    engine, kv, sched = llm.engine, llm.engine.kv, llm.engine.scheduler
+    engine = llm.engine
     rng = random.Random(args.seed)
-    vocab = engine.config.model.vocab_size
+    vocab = engine.config.model_config.vocab_size
     max_len = {}
     for i in range(args.requests):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))]
@@ -45,22 +47,18 @@ def main() -> None:
         )
         max_len[str(i)] = len(prompt) + out_len
 
-    samples = []
+    def running(request_id: str) -> bool:
+        group = engine.scheduler.get_seq_group(request_id)
+        return group is not None and bool(group.get_seqs(SequenceStatus.RUNNING))
+
+    num_blocks = engine.stats().num_gpu_blocks
+    samples = []  # per step: blocks in use, tokens they hold, slots reservation would hold
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        blocks: set[int] = set()
-        tokens = reserved = 0
-        for group in sched.running:
-            for seq in group.seqs:
-                if seq.status.is_finished:
-                    continue
-                table = kv.get_block_table(seq.seq_id)
-                blocks.update(table)
-                tokens += seq.num_computed_tokens
-            reserved += max_len[group.request_id]
+    for result in run_steps(llm, time_device=False):
+        blocks = num_blocks - result.stats.num_free_blocks
         if blocks:
-            samples.append((len(blocks), tokens, reserved))
+            reserved = sum(n for rid, n in max_len.items() if running(rid))
+            samples.append((blocks, result.stats.num_kv_tokens, reserved))
     elapsed = time.perf_counter() - start
 
     peak_blocks = max(b for b, _, _ in samples)
@@ -77,15 +75,14 @@ def main() -> None:
         "block_size": args.block_size,
         "steps": len(samples),
         "steps_at_peak": len(at_peak),
-        "preemptions": sched.num_preemptions,
+        "preemptions": engine.stats().num_preemptions,
         "peak_blocks_in_use": peak_blocks,
         "slot_utilization_at_peak": used / slots,
         "worst_step_utilization_at_peak": worst,
         "reservation_utilization_same_sequences": used / reserved,
         "seconds": elapsed,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{'metric':<48} value")
     for k in ("steps_at_peak", "preemptions", "peak_blocks_in_use"):
         print(f"{k:<48} {result[k]}")

@@ -2,10 +2,11 @@
 
 The paper's figure (vLLM, section 6.3): sharing the prompt's blocks saves 6-10% of the KV memory for parallel
 sampling and 37-55% for beam search on its workloads. Here each workload runs through the real engine on the
-default model, all requests submitted at once, with enough blocks that nothing is preempted; after every step
-the blocks in use are counted. Reported: the peak blocks in use, and block-steps (the blocks in use summed
-over the steps, i.e. memory held over time), for the shared run and for the same requests as independent
-copies (4 single-sequence requests per prompt, generating as many tokens as each shared sequence).
+default model, all requests submitted at once, with enough blocks that nothing is preempted; the blocks in use
+after every step come from the step's StepStats. Reported: the peak blocks in use, and block-steps (the blocks
+in use summed over the steps, i.e. memory held over time), for the shared run and for the same requests as
+independent copies (4 single-sequence requests per prompt, generating as many tokens as each shared
+sequence).
 
     .venv/bin/python benchmarks/sharing.py [--prompts 8] [--max-tokens 48]
         [--out benchmarks/results/sharing-cpu.json]
@@ -14,10 +15,11 @@ copies (4 single-sequence requests per prompt, generating as many tokens as each
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
+
+from common import generate_with_stats, write_json
 
 from tinypaged import LLM, SamplingParams
 
@@ -31,26 +33,19 @@ TEXT = (
 
 def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict:
     """Submit all requests, step to completion; peak blocks in use, block-steps and steps."""
-    engine, kv = llm.engine, llm.engine.kv
+    engine = llm.engine
     assert not engine.has_unfinished_requests()
-    for i, (ids, params) in enumerate(requests):
-        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
-    peak = block_steps = steps = tokens = 0
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        used = kv.num_gpu_blocks - kv.num_free_gpu_blocks
-        peak, block_steps, steps = max(peak, used), block_steps + used, steps + 1
-        tokens += sum(len(c.token_ids) for o in outs if o.finished for c in o.outputs)
-    kv.check_integrity()
-    assert kv.num_free_gpu_blocks == kv.num_gpu_blocks
-    assert engine.scheduler.num_preemptions == 0, "preempted: raise --blocks"
-    return {
-        "peak_blocks": peak,
-        "block_steps": block_steps,
-        "steps": steps,
-        "seconds": time.perf_counter() - t0,
-    }
+    _, stats = generate_with_stats(
+        llm, [{"prompt_token_ids": ids} for ids, _ in requests], [p for _, p in requests], time_device=False
+    )
+    elapsed = time.perf_counter() - t0
+    engine.check_integrity()
+    after = engine.stats()
+    assert after.num_free_gpu_blocks == after.num_gpu_blocks
+    assert after.num_preemptions == 0, "preempted: raise --blocks"
+    used = [after.num_gpu_blocks - s.num_free_blocks for s in stats]
+    return {"peak_blocks": max(used), "block_steps": sum(used), "steps": len(stats), "seconds": elapsed}
 
 
 def main() -> None:
@@ -94,14 +89,14 @@ def main() -> None:
         "prompt_lens": [len(p) for p in prompts],
         "max_tokens": m,
         "width": w,
-        "block_size": llm.engine.kv.block_size,
+        "block_size": llm.config.block_size,
         "workloads": workloads,
         "savings": {},
     }
     print(
         f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
         f"{m} new tokens, "
-        f"width {w}, block size {llm.engine.kv.block_size}"
+        f"width {w}, block size {llm.config.block_size}"
     )
     print(
         f"{'workload':<20}{'peak shared':>12}{'peak copies':>12}{'saved':>8}{'blk-steps sh':>14}"
@@ -116,8 +111,7 @@ def main() -> None:
             f"{name:<20}{shared['peak_blocks']:>12}{copies['peak_blocks']:>12}{peak_saved:>8.1%}"
             f"{shared['block_steps']:>14}{copies['block_steps']:>14}{steps_saved:>8.1%}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"saved {args.out}")
 
 

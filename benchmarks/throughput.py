@@ -1,6 +1,6 @@
-"""Offline throughput, as vLLM's benchmark_throughput: workload W1 (DESIGN.md) through `LLM.generate`, against
-HF transformers' static-batch `generate()` on the same random-weight model in the same run, and against the
-workload's roofline.
+"""Offline throughput, as vLLM's benchmark_throughput: workload W1 (BENCHMARKS.md, "Targets") through the
+engine's own loop, against HF transformers' static-batch `generate()` on the same random-weight model in the
+same run, and against the workload's roofline.
 
 W1: 256 requests, prompt lengths uniform in [64, 1024], output lengths uniform in [32, 512] (EOS ignored),
 uniformly random token ids, seed 1, all submitted at once.
@@ -9,17 +9,19 @@ uniformly random token ids, seed 1, all submitted at once.
     python benchmarks/throughput.py --model /tmp/llama-3.1-8b --hf-requests 64 --latency --check \\
         --out benchmarks/results/throughput-h200.json
 
-Roofline (as DESIGN.md defines it): every decode step of an ideal schedule (all requests prefilled, then
+Roofline (as BENCHMARKS.md defines it): every decode step of an ideal schedule (all requests prefilled, then
 decoded together; step k serves the requests with more than k output tokens) reads the weights once and the
 K/V of every live context at the copy bandwidth, 4.28 TB/s; the prefills run at the matmul rate, 680 TFLOP/s.
 A stricter variant charges each decode step max(bytes, FLOPs) and is printed beside it.
+
+Per-step figures (mixed and decode steps: wall, device time, host time, batch; KV slots at peak) come from the
+StepStats each `LLMEngine.step()` returns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
 from dataclasses import asdict
@@ -28,43 +30,35 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import (  # noqa: E402 (a sibling script)
+from common import (
     COPY_TBPS,
     MATMUL_TFLOPS,
-    StepRecorder,
-    _sync,
+    Work,
+    device_name,
     fp32_greedy_check,
     free_llm,
+    generate_with_stats,
+    greedy,
     hf_checks,
     kv_bytes_per_token,
     layer_params,
     load_hf,
+    make_workload,
     prefill_flops,
     profile_steps,
     run_checks,
     run_latency,
     step_weight_bytes,
+    summarize_steps,
+    sync_device,
+    write_json,
 )
 
-from tinypaged import LLM, SamplingParams  # noqa: E402
-from tinypaged.config import ModelConfig  # noqa: E402
+from tinypaged import LLM
+from tinypaged.config import ModelConfig
 
 
-def make_workload(
-    n: int, vocab: int, seed: int = 1, prompt=(64, 1024), output=(32, 512)
-) -> list[tuple[list[int], int]]:
-    """W1's requests: (prompt token ids, output length)."""
-    rng = np.random.default_rng(seed)
-    p_lens = rng.integers(prompt[0], prompt[1] + 1, size=n)
-    o_lens = rng.integers(output[0], output[1] + 1, size=n)
-    return [
-        (rng.integers(0, vocab, size=int(p)).tolist(), int(o)) for p, o in zip(p_lens, o_lens, strict=True)
-    ]
-
-
-def roofline(cfg: ModelConfig, work: list[tuple[list[int], int]]) -> dict[str, float]:
+def roofline(cfg: ModelConfig, work: Work) -> dict[str, float]:
     """Seconds the workload needs at the copy bandwidth (decode) and the matmul rate (prefill)."""
     bw, rate = COPY_TBPS * 1e12, MATMUL_TFLOPS * 1e12
     p = np.array([len(w[0]) for w in work], dtype=np.float64)
@@ -102,8 +96,8 @@ def roofline(cfg: ModelConfig, work: list[tuple[list[int], int]]) -> dict[str, f
     }
 
 
-def run_ours(llm: LLM, work: list[tuple[list[int], int]], async_scheduling: bool = True) -> dict[str, Any]:
-    """W1 through LLM.generate, timed end to end (all requests submitted at once)."""
+def run_ours(llm: LLM, work: Work, async_scheduling: bool = True) -> dict[str, Any]:
+    """W1 through the engine's loop, timed end to end (all requests submitted at once), with its step totals."""
     engine = llm.engine
     before, engine.async_scheduling = engine.async_scheduling, async_scheduling
     try:
@@ -112,17 +106,15 @@ def run_ours(llm: LLM, work: list[tuple[list[int], int]], async_scheduling: bool
         engine.async_scheduling = before
 
 
-def _run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+def _run_ours(llm: LLM, work: Work) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    params = [greedy(o) for _, o in work]
     # Warm-up on a few short requests: compiles the eager kernels' shapes outside the timed run.
-    llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 4)
-    rec = StepRecorder(llm)
-    _sync()
+    llm.generate(prompts[:4], greedy(4))
+    sync_device()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs, stats = generate_with_stats(llm, prompts, params)
     elapsed = time.perf_counter() - t0
-    rec.close()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(o for _, o in work), "every request must produce exactly its output length"
     n_in = sum(len(p) for p, _ in work)
@@ -132,44 +124,35 @@ def _run_ours(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
         "prompt_tokens": n_in,
         "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed,
-        "steps": rec.summary(llm.engine.runner.block_size),
+        "steps": summarize_steps(llm, stats),
     }
 
 
-def profile_ours(llm: LLM, work: list[tuple[list[int], int]], windows: int = 20) -> dict[str, Any]:
-    """torch.profiler over two windows of W1's steps, a mixed one and a decode-only one: GPU kernel time
-    by kernel and by op class, against the window's wall time (the rest is host time, GPU idle)."""
+def profile_ours(llm: LLM, work: Work, windows: int = 20) -> dict[str, Any]:
+    """torch.profiler over two windows of W1's steps, a mixed one (from step 4) and a decode-only one (after
+    50 decode-only steps): GPU kernel time by kernel and by op class, against the window's wall time (the
+    rest is host time, GPU idle)."""
     engine = llm.engine
     for i, (p, o) in enumerate(work):
-        engine.add_request(
-            f"prof-{i}",
-            {"prompt_token_ids": p},
-            SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True),
-        )
+        engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, greedy(o))
     result: dict[str, Any] = {}
-    step = 0
-    decode_seen = 0
+    step = decode_seen = 0
     while engine.has_unfinished_requests() and len(result) < 2:
-        running = engine.scheduler.running
-        decoding = not engine.scheduler.waiting and all(
-            s.num_computed_tokens >= s.prompt_len for g in running for s in g.seqs
-        )
-        decode_seen += decoding
-        name = "mixed" if step == 4 and "mixed" not in result else None
-        if decoding and decode_seen == 50 and "decode" not in result:
-            name = "decode"
-        if name is None:
-            engine.step()
+        if step == 4 and "mixed" not in result:
+            result["mixed"] = profile_steps(llm, windows)
+            step += windows
+        elif decode_seen == 50 and "decode" not in result:
+            result["decode"] = profile_steps(llm, windows)
+            step += windows
+        else:
+            stats = engine.step().stats
             step += 1
-            continue
-        result[name] = profile_steps(engine, windows)
-        step += windows
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
+            decode_seen += stats.num_seqs > 0 and stats.num_prefill_tokens == 0
+    engine.abort_all()
     return result
 
 
-def run_hf_static(model: Any, work: list[tuple[list[int], int]], batch: int) -> dict[str, Any]:
+def run_hf_static(model: Any, work: Work, batch: int) -> dict[str, Any]:
     """HF static-batch generate(): left-padded batches of `batch`, each run to its longest output; only the
     requested output tokens count."""
     device = model.device
@@ -184,10 +167,10 @@ def run_hf_static(model: Any, work: list[tuple[list[int], int]], batch: int) -> 
             mask[row, width - len(p) :] = 1
         max_new = max(o for _, o in chunk)
         ids, mask = ids.to(device), mask.to(device)
-        _sync()
+        sync_device()
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
-        _sync()
+        sync_device()
         elapsed += time.perf_counter() - t0
         assert out.shape[1] == width + max_new
         useful += sum(o for _, o in chunk)
@@ -204,17 +187,17 @@ def run_hf_static(model: Any, work: list[tuple[list[int], int]], batch: int) -> 
     }
 
 
-def run_hf_generate_batch(model: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_hf_generate_batch(model: Any, work: Work) -> dict[str, Any]:
     """HF's continuous-batching generate_batch() (one max_new_tokens for all: the longest; only the requested
     output tokens count)."""
     from transformers import GenerationConfig
 
     max_new = max(o for _, o in work)
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    torch.cuda.synchronize()
+    sync_device()
     t0 = time.perf_counter()
     model.generate_batch(inputs=[p for p, _ in work], generation_config=cfg)
-    torch.cuda.synchronize()
+    sync_device()
     elapsed = time.perf_counter() - t0
     useful = sum(o for _, o in work)
     return {
@@ -387,9 +370,9 @@ def main() -> None:
         args.enforce_eager = True
         torch.cuda.empty_cache()
         llm = engine(True)
-    cfg = llm.config.model
+    cfg = llm.config.model_config
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_name(),
         "torch": torch.__version__,
         "model": args.model,
         "date": time.strftime("%Y-%m-%d"),
@@ -419,8 +402,7 @@ def main() -> None:
             traceback.print_exc()
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+            write_json(args.out, res)
         return res[name]
 
     state: dict[str, Any] = {}

@@ -85,7 +85,7 @@ def ref_write_kv(
     flat[1].index_copy_(0, slots, value[keep].to(kv_layer.dtype))
 
 
-def _gather_context(
+def gather_context(
     kv_layer: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, ...]:
     """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`."""
@@ -122,7 +122,7 @@ def ref_paged_attention(
     if decode:  # one batched call for all single-token queries: a padded context and a length mask
         idx = torch.tensor(decode, device=q.device)
         max_len = max(lens[i] for i in decode)
-        k, v = _gather_context(kv_layer, block_tables[idx], max_len)
+        k, v = gather_context(kv_layer, block_tables[idx], max_len)
         rows = query_start_loc[idx].long()
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[idx][:, None]
         o = F.scaled_dot_product_attention(
@@ -138,7 +138,7 @@ def ref_paged_attention(
         if n <= 1:
             continue
         length = lens[i]
-        k, v = _gather_context(kv_layer, block_tables[i : i + 1], length)
+        k, v = gather_context(kv_layer, block_tables[i : i + 1], length)
         qpos = torch.arange(length - n, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(

@@ -293,3 +293,18 @@ class ModelRunner:
                 i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
             }
         return ExecuteOutput(logits, prompt_logits, inp.graph_batch_size, events)
+
+    # ---- outside the engine's steps ------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed paged KV cache of `num_blocks` blocks in the runner's layout, dtype and device: scratch space
+        for a forward pass outside the engine's steps (e.g. a numerics check)."""
+        return self._allocate(num_blocks, self.device, zero=True)
+
+    def release(self) -> None:
+        """Free the weights, the KV caches and the CUDA graphs (e.g. before another model loads in the same
+        process); the runner cannot run afterwards."""
+        self._graphs.clear()
+        self._graph_sizes = []
+        self.use_cuda_graphs = False
+        del self.model, self.kv_cache, self.swap_cache
