@@ -99,7 +99,11 @@ class KVCacheManager:
         hits = hits or {}
         # A free cached block that a hit takes leaves the free queue: it costs a block like a new one, once
         # however many sequences of the group hit it.
-        need = len({b for hit in hits.values() for b in hit.block_ids if self.gpu_pool.ref_count(b) == 0})
+        need = (
+            len({b for hit in hits.values() for b in hit.block_ids if self.gpu_pool.ref_count(b) == 0})
+            if hits
+            else 0
+        )
         local_refs: dict[int, int] = {}
         for seq, num_new in items:
             hit = hits.get(seq.seq_id)

@@ -216,6 +216,8 @@ class Scheduler:
                 i += 1
 
     def _schedule_swapped(self, st: _Step) -> None:
+        if not self.swapped:
+            return
         num_running_seqs = self._num_running_seqs()
         while self.swapped and st.budget > 0 and st.seqs_left > 0:
             group = self.swapped[0]
@@ -244,6 +246,8 @@ class Scheduler:
             st.commit(group, items, copies)
 
     def _schedule_waiting(self, st: _Step) -> None:
+        if not self.waiting:
+            return
         num_running_seqs = self._num_running_seqs()
         while self.waiting and st.budget > 0 and st.seqs_left > 0:
             group = self.waiting[0]

@@ -127,7 +127,7 @@ class BeamSearch:
             self.pending[draw.seq.seq_id] = row
         live = req.group.unfinished_seqs()
         if any(s.seq_id not in self.pending for s in live):
-            return Plan()  # some beams were not computed in this step (budget): wait for them
+            return Plan([])  # some beams were not computed in this step (budget): wait for them
         states = req.states
         by_id = {s.seq_id: s for s in live}
         num_generated = live[0].num_tokens - live[0].prompt_len
@@ -156,19 +156,21 @@ class BeamSearch:
             running = []
         # The first candidate of a parent continues in the parent's sequence; the others fork it (sharing all
         # its blocks). Parents no candidate chose are left behind: dropped, their blocks freed.
-        plan = Plan()
+        extend: list[Extend] = []
+        forks: list[Fork] = []
         used: set[int] = set()
         for i, c in enumerate(running):
             parent = by_id[c.parent]
-            target = parent if c.parent not in used else Fork(parent, i)
+            target: Sequence | Fork = parent
+            if c.parent in used:
+                target = Fork(parent, i)
+                forks.append(target)
             used.add(c.parent)
-            plan.extend.append(Extend(target, TokenSample(c.token, c.logprob, c.rank), c.cumulative_logprob))
-        for s in live:
-            if s.seq_id not in used:
-                # Done: the outputs are the hypotheses. Else left behind for good: the outputs come from the
-                # live beams and the hypotheses.
-                (plan.finish if self.done else plan.drop).append(s)
-        return plan
+            extend.append(Extend(target, TokenSample(c.token, c.logprob, c.rank), c.cumulative_logprob))
+        # Done: the outputs are the hypotheses. Else the beams no candidate chose are left behind for good: the
+        # outputs come from the live beams and the hypotheses.
+        unused = [s for s in live if s.seq_id not in used]
+        return Plan(extend, forks, finish=unused) if self.done else Plan(extend, forks, drop=unused)
 
     def outputs(self, req: Request) -> list[CompletionOutput]:
         """The n best hypotheses once the search is done; the n best live beams while it runs."""

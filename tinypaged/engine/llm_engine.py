@@ -143,7 +143,7 @@ class LLMEngine:
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
         group = SequenceGroup(request.request_id, [seq], time.monotonic())
-        req = Request(group, request.prompt, params, self._strategy(params, len(ids)))
+        req = Request(group, request.prompt, list(ids), params, self._strategy(params, len(ids)))
         self.output.start(req)
         self._requests[request.request_id] = req
         self.scheduler.add_seq_group(group)
@@ -154,7 +154,7 @@ class LLMEngine:
 
     def _strategy(self, params: SamplingParams, prompt_len: int) -> ParallelSampling | BeamSearch:
         if not params.use_beam_search:
-            return ParallelSampling()
+            return ParallelSampling(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         limit = self.config.max_model_len - prompt_len
         return BeamSearch(params, stop_ids, min(params.max_tokens or limit, limit), self.tokenizer)
@@ -246,13 +246,16 @@ class LLMEngine:
         if not self._requests:
             self._inflight = None
         t4 = time.perf_counter()
-        decode = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.do_sample)
+        decode = partial = 0
+        for s in sched.scheduled:
+            decode += s.num_new_tokens == 1 and s.do_sample
+            partial += not s.do_sample
         stats = StepStats(
             step=index,
             num_seqs=len(sched.scheduled),
             num_prefill_tokens=sched.num_batched_tokens - decode,
             num_decode_tokens=decode,
-            num_partial_prefills=sum(1 for s in sched.scheduled if not s.do_sample),
+            num_partial_prefills=partial,
             num_draws=queued.num_draws if queued is not None else 0,
             graph_batch_size=executed.graph_batch_size if executed is not None else 0,
             num_preempted=len(sched.preempted),
@@ -299,10 +302,12 @@ class LLMEngine:
     def _execute(self, sched: SchedulerOutput, prev: _QueuedStep | None) -> ExecuteOutput | None:
         """The runner's step (queued, not awaited). Input tokens still on the device are read from the last
         step's samples; requests with prompt_logprobs get the logits of their prompt chunk and score it."""
+        # A one-token chunk that samples is a decode, or a prompt's last token, which scores no prompt token.
         want = [
             i
             for i, s in enumerate(sched.scheduled)
-            if (req := self._requests.get(s.request_id)) is not None
+            if (s.num_new_tokens > 1 or not s.do_sample)
+            and (req := self._requests.get(s.request_id)) is not None
             and self.output.wants_prompt_logits(req, s.seq_id)
         ]
         result = self.runner.execute(sched, want, prev.pending_tokens() if prev is not None else None)
@@ -358,14 +363,19 @@ class LLMEngine:
         """Apply a step's results: each request's strategy plans, the plan is applied, its output built."""
         by_request: dict[Request, list[tuple[Draw, Any]]] = {}
         for req, draw, result in step.results():
-            by_request.setdefault(req, []).append((draw, result))
+            items = by_request.get(req)
+            if items is None:
+                by_request[req] = [(draw, result)]
+            else:
+                items.append((draw, result))
         outputs = []
         for req, results in by_request.items():
             if self._requests.get(req.request_id) is not req:
                 continue  # aborted while the step was in flight: abort_request reported it
             self._apply(req, req.strategy.plan(req, results), pending=step.deferred)
-            outputs.append(self.output.output(req))
-            if req.group.is_finished():
+            out = self.output.output(req)
+            outputs.append(out)
+            if out.finished:
                 del self._requests[req.request_id]
         return outputs
 
@@ -373,16 +383,12 @@ class LLMEngine:
         """Carry out a plan: forks first (each child shares its parent's blocks as they are before this
         step's tokens), then appends with their stop checks, then drops and finishes. `pending`: the tokens
         extend sequences that ran with them pending on the device."""
-        children: dict[Fork, Sequence] = {}
+        children = {fork: self._fork(req, fork) for fork in plan.forks}
         for ext in plan.extend:
-            if isinstance(ext.target, Fork) and ext.target not in children:
-                children[ext.target] = self._fork(req, ext.target)
-        for ext in plan.extend:
-            forked = isinstance(ext.target, Fork)
-            seq = children[ext.target] if isinstance(ext.target, Fork) else ext.target
+            seq = children[ext.target] if children and isinstance(ext.target, Fork) else ext.target
             if seq.status.is_finished:
                 continue  # finished (or aborted) while its token was in flight
-            self._append(req, seq, ext.sample.token, pending and not forked)
+            self._append(req, seq, ext.sample.token, pending and seq is ext.target)
             status = self.output.append(req, seq, ext)
             if status is not None:
                 self.scheduler.finish_seq(seq, status)

@@ -191,20 +191,20 @@ class OutputProcessor:
         req.prompt_logprobs += prompt_logprob_entries(
             self.tokenizer,
             logits,
-            req.group.seqs[0].prompt_token_ids,
+            req.prompt_token_ids,
             first,
             len(req.prompt_logprobs),
             req.params.prompt_logprobs or 0,
         )
 
     def output(self, req: Request) -> RequestOutput:
-        """The request as it stands, as vLLM's RequestOutput (lists copied: the state keeps growing)."""
+        """The request as it stands, as vLLM's RequestOutput (output lists copied: the state keeps growing; the
+        prompt's ids are one list for the request's life)."""
         group = req.group
-        first = group.seqs[0]
         return RequestOutput(
             request_id=group.request_id,
             prompt=req.prompt,
-            prompt_token_ids=first.prompt_token_ids,
+            prompt_token_ids=req.prompt_token_ids,
             outputs=req.strategy.outputs(req),
             finished=group.is_finished(),
             error=req.error,

@@ -10,6 +10,7 @@ from tinypaged.engine.output_processor import completion
 from tinypaged.engine.request import Draw, Extend, Fork, Plan, Request
 from tinypaged.engine.sampler import has_penalty, seq_seed
 from tinypaged.outputs import CompletionOutput
+from tinypaged.sampling_params import SamplingParams
 
 
 class ParallelSampling:
@@ -19,23 +20,31 @@ class ParallelSampling:
     stream; the other sequences then fork from the prompt's blocks, so the prompt is computed and stored once.
     """
 
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        # Penalties need the output tokens on the host at the next draw: such a token is never deferred.
+        self.defer = not has_penalty(params)
+
     def draws(self, req: Request, seq: Sequence) -> list[Draw]:
         """One draw per sequence; at the first token of a request of k sequences, k draws from the prompt's
         row (draw i > 0 starts output i as a fork)."""
-        p = req.params
-        if p.num_seqs > 1 and seq.num_tokens == seq.prompt_len and len(req.group.seqs) == 1:
+        p = self.params
+        if p.num_seqs > 1 and len(req.group.seqs) == 1 and seq.num_tokens == seq.prompt_len:
             forks = [
                 Draw(seq, seq_seed(p.seed, i) if p.seed is not None else None, fork=i)
                 for i in range(1, p.num_seqs)
             ]
             return [Draw(seq, req.states[seq.seq_id].seed_key), *forks]
-        return [Draw(seq, req.states[seq.seq_id].seed_key, defer=not has_penalty(p))]
+        return [Draw(seq, req.states[seq.seq_id].seed_key, None, False, self.defer)]
 
     def plan(self, req: Request, results: list[tuple[Draw, Any]]) -> Plan:
         """Each token extends its sequence or starts its fork."""
-        return Plan(
-            extend=[Extend(d.seq if d.fork is None else Fork(d.seq, d.fork), sample) for d, sample in results]
-        )
+        if len(results) == 1 and results[0][0].fork is None:  # the common case: one token, no fork
+            draw, sample = results[0]
+            return Plan([Extend(draw.seq, sample)])
+        targets = [d.seq if d.fork is None else Fork(d.seq, d.fork) for d, _ in results]
+        forks = [t for t in targets if isinstance(t, Fork)]
+        return Plan([Extend(t, sample) for t, (_, sample) in zip(targets, results, strict=True)], forks)
 
     def outputs(self, req: Request) -> list[CompletionOutput]:
         """Every sequence; with best_of > n, the n of highest cumulative logprob once all are done."""

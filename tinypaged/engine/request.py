@@ -12,8 +12,9 @@ included) and `BeamSearch` (beam_search.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.outputs import CompletionOutput, Logprob
@@ -59,8 +60,11 @@ class SeqState:
 # ---- the strategy interface ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Draw:
+# Draws, samples and plans are made for every sequence of every step: named tuples, the cheapest immutable
+# records Python has (a frozen dataclass pays a setattr call per field).
+
+
+class Draw(NamedTuple):
     """One draw a strategy asks of the logits row of `seq` this step."""
 
     seq: Sequence
@@ -72,8 +76,7 @@ class Draw:
     defer: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class TokenSample:
+class TokenSample(NamedTuple):
     """A sampled token, with its logprob and rank when computed, and the top alternatives when asked for."""
 
     token: int
@@ -90,8 +93,7 @@ class Fork:
     index: int  # its output index (and random stream)
 
 
-@dataclass(frozen=True, slots=True)
-class Extend:
+class Extend(NamedTuple):
     """Append `sample.token` to a sequence: an existing one, or a fork made by the same plan."""
 
     target: Sequence | Fork
@@ -99,13 +101,15 @@ class Extend:
     cumulative_logprob: float | None = None  # replaces the running sum (beam search); else logprob adds
 
 
-@dataclass
-class Plan:
-    """What a request's sequences do with one step's results. Forks are made before any token is appended."""
+class Plan(NamedTuple):
+    """What a request's sequences do with one step's results, in this order: forks, appends, drops, finishes."""
 
-    extend: list[Extend] = field(default_factory=list)
-    drop: list[Sequence] = field(default_factory=list)  # left behind for good: blocks freed, forgotten
-    finish: list[Sequence] = field(default_factory=list)  # the request is done with them (stopped)
+    extend: list[Extend]  # a token for each sequence the step extends (a fork's first token included)
+    forks: Sequence_[
+        Fork
+    ] = ()  # new sequences, made before any token is appended (their targets in `extend`)
+    drop: Sequence_[Sequence] = ()  # left behind for good: blocks freed, forgotten
+    finish: Sequence_[Sequence] = ()  # the request is done with them (stopped)
 
 
 class Strategy(Protocol):
@@ -131,6 +135,7 @@ class Request:
 
     group: SequenceGroup
     prompt: str | None
+    prompt_token_ids: list[int]  # one list for the request's life: every RequestOutput shares it
     params: SamplingParams
     strategy: Strategy
     states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
