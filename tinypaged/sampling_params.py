@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tinypaged import limits
 from tinypaged.errors import RequestError
+from tinypaged.limits import MAX_LOGPROBS
 
 _SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -56,7 +58,8 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise RequestError naming the first bad value (call again after changing fields)."""
+        """Raise RequestError naming the first bad value (call again after changing fields). The ranges are
+        tinypaged.limits' (docs/limits.md)."""
         best_of = self.best_of if self.best_of is not None else self.n
         checks = [
             ("n", _is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n}"),
@@ -66,40 +69,32 @@ class SamplingParams:
                 best_of >= self.n,
                 f"best_of must be greater than or equal to n, got n={self.n} and best_of={best_of}",
             ),
+            _range("temperature", self.temperature, limits.TEMPERATURE),
             (
-                "temperature",
-                self.temperature >= 0.0,
-                f"temperature must be non-negative, got {self.temperature}",
+                "top_p",
+                _real(self.top_p) and 0.0 < self.top_p <= 1.0,
+                f"top_p must be in (0, 1], got {self.top_p}",
             ),
-            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (
                 "top_k",
                 _is_int(self.top_k) and self.top_k >= 0,
                 f"top_k must be -1 (disable) or at least 1, got {self.top_k}",
             ),
-            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                "repetition_penalty",
-                0.0 < self.repetition_penalty <= 2.0,
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
-            ),
-            (
-                "presence_penalty",
-                -2.0 <= self.presence_penalty <= 2.0,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (
-                "frequency_penalty",
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
+            _range("min_p", self.min_p, (0.0, 1.0)),
+            _range("repetition_penalty", self.repetition_penalty, limits.REPETITION_PENALTY),
+            _range("presence_penalty", self.presence_penalty, limits.PENALTY),
+            _range("frequency_penalty", self.frequency_penalty, limits.PENALTY),
             ("seed", self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (
                 "max_tokens",
-                self.max_tokens is None or self.max_tokens >= 1,
+                self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             ),
-            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens) and self.min_tokens >= 0,
+                f"min_tokens must be non-negative, got {self.min_tokens}",
+            ),
             (
                 "min_tokens",
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -111,18 +106,31 @@ class SamplingParams:
                 "stop strings must be non-empty strings",
             ),
             (
+                "stop",
+                len(self.stop) <= limits.MAX_STOP_STRINGS
+                and all(len(s) <= limits.MAX_STOP_STRING_CHARS for s in self.stop),
+                f"at most {limits.MAX_STOP_STRINGS} stop strings of at most {limits.MAX_STOP_STRING_CHARS} "
+                "characters each",
+            ),
+            (
                 "stop_token_ids",
                 all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be ids >= 0",
             ),
             (
+                "stop_token_ids",
+                len(self.stop_token_ids) <= limits.MAX_STOP_TOKEN_IDS,
+                f"at most {limits.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+            ),
+            (
                 "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
         ]
@@ -148,6 +156,7 @@ class SamplingParams:
                     self.early_stopping in (True, False, "never"),
                     f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
                 ),
+                _range("length_penalty", self.length_penalty, limits.LENGTH_PENALTY),
                 (
                     "stop",
                     not self.stop,
@@ -163,7 +172,7 @@ class SamplingParams:
                 ),
                 (
                     "length_penalty",
-                    abs(self.length_penalty - 1.0) < _SAMPLING_EPS,
+                    _real(self.length_penalty) and abs(self.length_penalty - 1.0) < _SAMPLING_EPS,
                     "length_penalty only applies to beam search (use_beam_search=True)",
                 ),
             ]
@@ -180,6 +189,17 @@ class SamplingParams:
     def num_seqs(self) -> int:
         """Sequences generated for the request: best_of (default n); the beam width under beam search."""
         return self.best_of if self.best_of is not None else self.n
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _range(name: str, value: float, bounds: tuple[float, float]) -> tuple[str, bool, str]:
+    """The check that a parameter is a real number in [lo, hi]."""
+    ok = _real(value) and bounds[0] <= value <= bounds[1]
+    return name, ok, f"{name} must be in [{bounds[0]}, {bounds[1]}], got {value}"
 
 
 def _is_int(value: object) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +59,26 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # HF tokenizers releases the GIL in its batch calls only: these two let a long text be encoded (or a long
+    # id list decoded) in a thread while an event loop keeps running beside it.
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode(), releasing the GIL while the tokenizer works."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def decode_unlocked(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """decode(), releasing the GIL while the tokenizer works."""
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (the longest vocabulary entry: a byte-level entry has a
+        character per byte, never fewer than its text): a text has at least len(text) / this many tokens."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+
+    def surely_longer_than(self, text: str, max_tokens: int) -> bool:
+        """Whether `text` has more than `max_tokens` tokens, known from its length alone (no tokenizing)."""
+        return len(text) > max_tokens * self.max_token_chars
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id."""

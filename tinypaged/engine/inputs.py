@@ -4,11 +4,37 @@ context. A request that cannot run raises RequestError naming the parameter, bef
 
 from __future__ import annotations
 
+from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
+
+
+def logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """Logprob entries a request can make the engine keep: sequences x output tokens x (1 + logprobs), plus
+    prompt tokens x (1 + prompt_logprobs). What it holds grows with this, so this is what is bounded."""
+    entries = 0
+    if params.logprobs is not None:
+        room = max(max_model_len - prompt_len, 0)
+        tokens = min(params.max_tokens or room, room)
+        entries += params.num_seqs * tokens * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        entries += prompt_len * (params.prompt_logprobs + 1)
+    return entries
+
+
+def check_logprob_entries(entries: int) -> None:
+    """RequestError (naming `logprobs`) past limits.MAX_LOGPROB_ENTRIES, for one request or one HTTP request's
+    prompts together."""
+    if entries > limits.MAX_LOGPROB_ENTRIES:
+        raise RequestError(
+            f"this request could keep {entries} logprob entries (sequences x tokens x (1 + logprobs), plus "
+            f"prompt tokens x (1 + prompt_logprobs)), more than the limit of {limits.MAX_LOGPROB_ENTRIES}: "
+            "ask for fewer sequences, tokens or logprobs",
+            "logprobs",
+        )
 
 
 class InputProcessor:
@@ -42,18 +68,16 @@ class InputProcessor:
         text, ids = self._tokenize(prompt)
         assert cfg.max_model_len is not None
         if len(ids) >= cfg.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, your prompt "
-                f"has {len(ids)} tokens, which leaves no room for output. Please reduce the length of the "
-                "prompt.",
-                "prompt",
-                "context_length_exceeded",
-            )
+            raise context_length_error(cfg.max_model_len, len(ids))
+        check_logprob_entries(logprob_entries(params, len(ids), cfg.max_model_len))
         return EngineRequest(request_id, text, ids, params)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt's text (if any) and its token ids, each id in the vocabulary."""
         if isinstance(prompt, str):
+            assert self.config.max_model_len is not None
+            if self.tokenizer.surely_longer_than(prompt, self.config.max_model_len):
+                raise context_length_error(self.config.max_model_len)  # not worth tokenizing
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list | tuple):
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -69,3 +93,15 @@ class InputProcessor:
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         return text, ids
+
+
+def context_length_error(max_model_len: int, num_tokens: int | None = None) -> RequestError:
+    """The refusal of a prompt that leaves no room for output (of `num_tokens` tokens, or known to be too long
+    from its size alone), in OpenAI's words."""
+    has = f"has {num_tokens} tokens" if num_tokens is not None else "is far longer than that"
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt {has}, which "
+        "leaves no room for output. Please reduce the length of the prompt.",
+        "prompt",
+        "context_length_exceeded",
+    )

@@ -12,11 +12,13 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from tinypaged.sampling_params import MAX_LOGPROBS  # the engine's limit, shown in /openapi.json
+from tinypaged import limits  # the engine's limits, shown in /openapi.json (docs/limits.md)
+from tinypaged.limits import MAX_LOGPROBS
 
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Meta(ge=limits.PENALTY[0], le=limits.PENALTY[1])]
 TokenId = Annotated[int, Meta(ge=0)]
+StopString = Annotated[str, Meta(max_length=limits.MAX_STOP_STRING_CHARS)]
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -31,22 +33,24 @@ class _SamplingFields(Struct, kw_only=True):
     model: str | None = None
     n: Annotated[int, Meta(ge=1)] = 1
     best_of: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=limits.TEMPERATURE[0], le=limits.TEMPERATURE[1])] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
     min_p: Probability = 0.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[
+        float, Meta(ge=limits.REPETITION_PENALTY[0], le=limits.REPETITION_PENALTY[1])
+    ] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=limits.MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=limits.MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     skip_special_tokens: bool = True
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Annotated[float, Meta(ge=limits.LENGTH_PENALTY[0], le=limits.LENGTH_PENALTY[1])] = 1.0
     early_stopping: bool | Literal["never"] = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,22 @@
+"""Every limit one request is held to, in one place (docs/limits.md explains each). The engine checks them
+(SamplingParams, engine/inputs.py) and the HTTP schema shows them (server/protocol.py, `/openapi.json`).
+
+They keep one request's work and memory bounded whatever its options, so that it cannot hurt the others: no
+option multiplies another's cost past these bounds.
+"""
+
+from __future__ import annotations
+
+MAX_LOGPROBS = 20  # top alternatives per token (logprobs, prompt_logprobs, top_logprobs), as vLLM
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # each: the stop-string search and hold-back scan this much per token
+MAX_STOP_TOKEN_IDS = 256
+# Logprob entries one request (one HTTP request's prompts together) may make the engine keep: sequences x output
+# tokens x (1 + logprobs), plus prompt tokens x (1 + prompt_logprobs). An entry costs about 800 bytes of Python
+# objects at its peak, so this bounds a request's logprobs under 1 GiB (benchmarks/worst_request.py).
+MAX_LOGPROB_ENTRIES = 1024 * 1024
+LENGTH_PENALTY = (-10.0, 10.0)  # beam scores divide by length ** length_penalty: finite for any length
+REPETITION_PENALTY = (0.01, 2.0)  # logits divided (or multiplied) by it stay finite in float32
+PENALTY = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
+TEMPERATURE = (0.0, 2.0)  # OpenAI's range
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
