@@ -41,7 +41,7 @@ class Candidate:
     parent: int
     token: int
     logprob: float  # of the token
-    rank: int  # of the token in its beam's distribution
+    rank: int  # of the token in its beam's distribution (0: not computed, no logprobs asked for)
     cumulative_logprob: float
     stopped: bool  # the token is a stop/EOS token
 
@@ -73,26 +73,51 @@ class BeamSearch:
 
         Returns the next beams (best first) and the finishing candidates to keep as hypotheses, with their
         scores. Consumes the pending rows of these beams.
+
+        HF ranks the top (1 + #stop ids) x W continuations; only the first W can finish and the best W that
+        do not stop continue. Those are the best W continuations by a non-stop token and the best W by a stop
+        token, merged: the work and memory stay O(W x vocab) however many stop ids a request gives.
         """
         rows = torch.stack([self.pending.pop(seq_id) for seq_id, _ in beams])
         cum = torch.tensor([c for _, c in beams], dtype=rows.dtype, device=rows.device)
-        vocab = rows.shape[1]
-        scores = (rows + cum[:, None]).flatten()
-        k = min(max(2, 1 + len(self.stop_ids)) * self.width, scores.numel())
-        top, idx = scores.topk(k)
-        row_lp = rows.flatten()[idx]
-        ranks = (rows[idx // vocab] > row_lp[:, None]).sum(dim=-1) + 1
+        vocab, width = rows.shape[1], self.width
+        scores = rows + cum[:, None]
         at_limit = num_generated + 1 >= self.max_new_tokens
+        stop = sorted(t for t in self.stop_ids if t < vocab)
+        if at_limit or not stop:
+            # Nothing can stop by a token: every candidate either finishes (at the limit) or runs on.
+            top, flat = scores.flatten().topk(min(width, scores.numel()))
+            parents, tokens = flat // vocab, flat % vocab
+        else:
+            stop_ids = torch.tensor(stop, device=rows.device)
+            top_run, flat_run = (
+                scores.index_fill(1, stop_ids, float("-inf")).flatten().topk(min(width, scores.numel()))
+            )
+            by_stop = scores.index_select(1, stop_ids)
+            top_stop, flat_stop = by_stop.flatten().topk(min(width, by_stop.numel()))
+            order = torch.cat([top_run, top_stop]).argsort(descending=True, stable=True)
+            top = torch.cat([top_run, top_stop])[order]
+            parents = torch.cat([flat_run // vocab, flat_stop // len(stop)])[order]
+            tokens = torch.cat([flat_run % vocab, stop_ids[flat_stop % len(stop)]])[order]
+        lps = rows[parents, tokens]
+        # Ranks only for the logprobs a client asked for: counting over the vocabulary is the costly part.
+        ranks = (
+            ((rows[parents] > lps[:, None]).sum(dim=-1) + 1).tolist()
+            if self.params.logprobs is not None
+            else [0] * len(tokens)
+        )
         cands = []
-        for value, flat, lp, rank in zip(
-            top.tolist(), idx.tolist(), row_lp.tolist(), ranks.tolist(), strict=True
+        for value, parent, token, lp, rank in zip(
+            top.tolist(), parents.tolist(), tokens.tolist(), lps.tolist(), ranks, strict=True
         ):
-            token = flat % vocab
-            cands.append(Candidate(beams[flat // vocab][0], token, lp, rank, value, token in self.stop_ids))
-        running = [c for c in cands if not (c.stopped or at_limit)][: self.width]
+            stopped = token in self.stop_ids
+            if stopped and value == float("-inf") and not at_limit:
+                continue  # a stop token masked out of the running candidates (a vocabulary smaller than W)
+            cands.append(Candidate(beams[parent][0], token, lp, rank, value, stopped))
+        running = [c for c in cands if not (c.stopped or at_limit)][:width]
         # Only the first `width` candidates may become hypotheses; the rest only back up the live beams.
-        finishing = [c for c in cands[: self.width] if c.stopped or at_limit]
-        full = len(self.hyps) >= self.width
+        finishing = [c for c in cands[:width] if c.stopped or at_limit]
+        full = len(self.hyps) >= width
         if not self.improvable or (full and self.params.early_stopping is True):
             finishing = []
         scale = (num_generated + 1) ** self.params.length_penalty
