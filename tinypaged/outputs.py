@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -37,6 +38,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    error: str | None = None  # why the request ended without running, e.g. it can never fit in the cache
+    # Why the request ended early: it can never fit in the cache ("ignored": the request's own size), or it
+    # failed inside the engine ("internal": a fault the engine isolated to it; the message holds no internals).
+    error: str | None = None
+    error_kind: Literal["ignored", "internal"] | None = None
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, StepError
@@ -73,6 +75,10 @@ class AsyncEngine:
         self._stopped = False
         self._dead: str | None = None  # why the loop died, if it did
         self._step_listeners: list[Callable[[StepStats], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Requests submitted but not yet added (their add op is queued), and their sequences: they wait too.
+        self._pending_requests = 0
+        self._pending_seqs = 0
 
     # ---- passthroughs ---------------------------------------------------------------------------------
 
@@ -87,8 +93,14 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
-        """Queue lengths, cache usage, preemptions and token counters (a snapshot)."""
-        return self.engine.stats()
+        """Queue lengths, cache usage, preemptions and token counters (a snapshot); requests submitted but not
+        yet handed to the engine count as waiting."""
+        stats = self.engine.stats()
+        return replace(
+            stats,
+            num_waiting=stats.num_waiting + self._pending_requests,
+            num_waiting_seqs=stats.num_waiting_seqs + self._pending_seqs,
+        )
 
     def check_integrity(self) -> None:
         """The KV cache manager's invariants (AssertionError if broken); call it while no step runs."""
@@ -107,13 +119,17 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Start the engine-loop task on the running event loop (idempotent)."""
+        self._start()
+
+    def _start(self) -> None:
         if self._stopped:
             raise EngineError("the engine has been shut down")
         if self._task is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinypaged-step")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="tinypaged-engine-loop")
+        self._task = self._loop.create_task(self._run(), name="tinypaged-engine-loop")
 
     async def shutdown(self) -> None:
         """Stop the loop (after the step in flight); unfinished requests fail with EngineError."""
@@ -129,27 +145,36 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's cumulative RequestOutput after each step it advanced in (the newest only, when
-        several are waiting for a slow consumer); the last is finished.
+        """Queue the request now and stream its cumulative RequestOutput after each step it advanced in (the
+        newest only, when several are waiting for a slow consumer); the last is finished.
 
-        A request the engine will not run raises RequestError (naming the parameter) before anything is
-        queued. Closing or cancelling the iterator (a client gone) aborts the request and frees its blocks
-        before the next step. A failure inside the engine raises EngineError from the iterator.
+        Checked and queued when called (RequestError naming the parameter if the engine will not run it;
+        nothing is queued then), so a caller's admission check and the queueing happen without an await
+        between them. Closing or cancelling the iterator, or dropping it unread (a client gone), aborts the
+        request and frees its blocks before the next step. A failure inside the engine raises EngineError.
         """
         if self._dead is not None:
-            raise EngineError(f"the engine loop has stopped: {self._dead}")
+            raise EngineError("the engine loop has stopped (an internal error, logged)")
         if self._stopped:
             raise EngineError("the engine has been shut down")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         request = self.engine.process_inputs(request_id, prompt, params)
-        await self.start()
+        self._start()
         slot = _Latest()
         self._streams[request_id] = slot
+        self._pending_requests += 1
+        self._pending_seqs += params.num_seqs
         self._submit(("add", request))
+        stream = self._stream(request_id, slot)
+        # An async generator dropped before it ran never runs its `finally`: abort it when it is collected.
+        weakref.finalize(stream, self._abandoned, request_id, slot)
+        return stream
+
+    async def _stream(self, request_id: str, slot: _Latest) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while True:
@@ -162,10 +187,20 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._streams.get(request_id) is slot:
-                del self._streams[request_id]
             if not finished:
-                self._submit(("abort", request_id))
+                self._end_stream(request_id, slot)
+
+    def _end_stream(self, request_id: str, slot: _Latest) -> None:
+        """A reader gone before its request finished: forget its slot, abort the request."""
+        if self._streams.get(request_id) is slot:
+            del self._streams[request_id]
+            self._submit(("abort", request_id))
+
+    def _abandoned(self, request_id: str, slot: _Latest) -> None:
+        # Called by the garbage collector, possibly on another thread: hand the work to the loop.
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and self._streams.get(request_id) is slot:
+            loop.call_soon_threadsafe(self._end_stream, request_id, slot)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
@@ -204,13 +239,15 @@ class AsyncEngine:
                     listener(result.stats)
         except BaseException as e:
             # Scheduler state is unknown after an error outside a step's model work: fail everything.
-            self._dead = f"{type(e).__name__}: {e}"
+            self._dead = f"{type(e).__name__}: {e}"  # logged, never sent to a client
             logger.exception("engine loop died")
             try:
                 engine.abort_all()
             except Exception:  # noqa: BLE001 - the streams are failed below either way
                 logger.exception("aborting the requests of a dead engine loop")
-            self._fail(list(self._streams), EngineError(f"the engine loop stopped: {self._dead}"))
+            self._fail(
+                list(self._streams), EngineError("the engine loop stopped (an internal error, logged)")
+            )
             if not isinstance(e, Exception):
                 raise
 
@@ -218,6 +255,8 @@ class AsyncEngine:
         ops, self._ops = self._ops, []
         for kind, arg in ops:
             if isinstance(arg, EngineRequest):
+                self._pending_requests -= 1
+                self._pending_seqs -= arg.params.num_seqs
                 try:
                     self.engine.add(arg)
                 except RequestError as e:

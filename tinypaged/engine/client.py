@@ -46,10 +46,11 @@ class EngineClient(Protocol):
     def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's cumulative outputs, the last one finished.
+        """Queue the request now; stream its cumulative outputs, the last one finished.
 
-        A request the engine will not run raises RequestError (naming the parameter) before anything is
-        queued; a failure inside the engine raises EngineError. Closing the iterator aborts the request.
+        A request the engine will not run raises RequestError (naming the parameter) here, and nothing is
+        queued; a failure inside the engine raises EngineError from the stream. Closing the stream, or
+        dropping it, aborts the request.
         """
         ...
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class StepError(EngineError):
@@ -71,20 +75,28 @@ class _QueuedStep:
             self.sampled.token_ids, {d.seq.seq_id: i for i, (_, d) in enumerate(self.token_draws)}
         )
 
-    def results(self) -> list[tuple[Request, Draw, Any]]:
-        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host."""
+    def results(self) -> tuple[list[tuple[Request, Draw, Any]], set[Request]]:
+        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host; and
+        the requests with a draw whose distribution was unusable (NaN, infinities, or every token banned)."""
         t0 = time.perf_counter()
         out: list[tuple[Request, Draw, Any]] = []
+        invalid: set[Request] = set()
         if self.sampled is not None:
-            samples = self.sampled.result().samples()
-            out += [(req, d, s) for (req, d), s in zip(self.token_draws, samples, strict=True)]
+            result = self.sampled.result()
+            out += [(req, d, s) for (req, d), s in zip(self.token_draws, result.samples(), strict=True)]
+            if result.valid is not None and not all(result.valid):
+                invalid.update(
+                    req for (req, _), ok in zip(self.token_draws, result.valid, strict=True) if not ok
+                )
         if self.scores is not None:
             out += [(req, d, self.scores[i]) for i, (req, d) in enumerate(self.score_draws)]
+            finite = torch.isfinite(self.scores.amax(dim=-1)).tolist()
+            invalid.update(req for (req, _), ok in zip(self.score_draws, finite, strict=True) if not ok)
         if self.events is not None:
             self.events[1].synchronize()
             self.device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
         self.wait_s = time.perf_counter() - t0
-        return out
+        return out, invalid
 
 
 class LLMEngine:
@@ -192,6 +204,9 @@ class LLMEngine:
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_waiting_seqs=sum(
+                req.params.num_seqs for g in list(sched.waiting) if (req := self._requests.get(g.request_id))
+            ),
             num_swapped=sched.num_swapped,
             gpu_cache_usage=kv.gpu_usage,
             cpu_cache_usage=1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
@@ -233,10 +248,10 @@ class LLMEngine:
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
             t1 = time.perf_counter()
-            executed = self._execute(sched, prev)
+            executed = self._execute(index, sched, prev, outputs)
             self.scheduler.update_from_output(sched)
             t2 = time.perf_counter()
-            queued = self._sample(index, sched, executed) if executed is not None else None
+            queued = self._sample(index, sched, executed, outputs) if executed is not None else None
             t3 = time.perf_counter()
             if prev is not None:  # the last step's tokens, while this step runs on the device
                 outputs += self._update(prev)
@@ -248,8 +263,10 @@ class LLMEngine:
                 outputs += self._update(queued)
                 applied.append(queued)
         except Exception as e:
+            # Not one request's fault (the schedule or the batch's forward pass): fail what the step touched.
+            logger.exception("engine step %d failed", index)
             failed = self._fail_step(sched, prev)
-            raise StepError(f"engine step failed: {type(e).__name__}: {e}", failed, outputs) from e
+            raise StepError(f"engine step {index} failed (an internal error, logged)", failed, outputs) from e
         if not self._requests:
             self._inflight = None
         t4 = time.perf_counter()
@@ -302,11 +319,25 @@ class LLMEngine:
         for request_id, reason in ignored:
             req = self._requests.pop(request_id, None)
             if req is not None:
-                req.error = reason
+                req.error, req.error_kind = reason, "ignored"
                 outputs.append(self.output.output(req))
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, prev: _QueuedStep | None) -> ExecuteOutput | None:
+    def _fail_request(self, req: Request, message: str, step: int, fault: bool = True) -> list[RequestOutput]:
+        """End one request that failed inside `step` while the others go on: its blocks go back to the pool,
+        its stream ends with `message` (never the fault's own text: that is logged, with the request id)."""
+        if fault:
+            logger.exception("request %s failed in engine step %d: %s", req.request_id, step, message)
+        if self._requests.get(req.request_id) is not req:
+            return []  # already ended
+        del self._requests[req.request_id]
+        self.scheduler.abort_seq_group(req.request_id)
+        req.error, req.error_kind = message, "internal"
+        return [self.output.failed(req)]
+
+    def _execute(
+        self, index: int, sched: SchedulerOutput, prev: _QueuedStep | None, failed: list[RequestOutput]
+    ) -> ExecuteOutput | None:
         """The runner's step (queued, not awaited). Input tokens still on the device are read from the last
         step's samples; requests with prompt_logprobs get the logits of their prompt chunk and score it."""
         # A one-token chunk that samples is a decode, or a prompt's last token, which scores no prompt token.
@@ -321,12 +352,19 @@ class LLMEngine:
         if result is not None:
             for i, chunk in result.prompt_logits.items():
                 s = sched.scheduled[i]
-                self.output.add_prompt_logprobs(self._requests[s.request_id], chunk, s.num_computed_tokens)
+                req = self._requests[s.request_id]
+                try:
+                    self.output.add_prompt_logprobs(req, chunk, s.num_computed_tokens)
+                except Exception:
+                    failed += self._fail_request(req, "scoring its prompt failed", index)
         return result
 
-    def _sample(self, index: int, sched: SchedulerOutput, executed: ExecuteOutput) -> _QueuedStep:
+    def _sample(
+        self, index: int, sched: SchedulerOutput, executed: ExecuteOutput, failed: list[RequestOutput]
+    ) -> _QueuedStep:
         """Queue every draw the requests' strategies ask for, in one sampler pass (and one scoring pass for
-        beam rows); defer the step when async scheduling is on and every draw may stay on the device."""
+        beam rows); defer the step when async scheduling is on and every draw may stay on the device. A
+        request whose draws cannot be made fails alone (its output into `failed`)."""
         token: list[tuple[Request, Draw]] = []
         token_rows: list[SamplingRow] = []
         token_src: list[int] = []  # the logits row of each draw
@@ -338,25 +376,64 @@ class LLMEngine:
             seq = self.scheduler.get_seq(s.seq_id)
             if req is None or seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
-            for draw in req.strategy.draws(req, seq):
-                draws, rows, src = (
-                    (score, score_rows, score_src) if draw.scores else (token, token_rows, token_src)
-                )
-                draws.append((req, draw))
-                rows.append(self._sampling_row(req, seq, draw))
-                src.append(row)
+            try:
+                draws = [(d, self._sampling_row(req, seq, d)) for d in req.strategy.draws(req, seq)]
+            except Exception:
+                failed += self._fail_request(req, "preparing its sampling failed", index)
+                continue
+            for draw, sampling_row in draws:
+                lists = (score, score_rows, score_src) if draw.scores else (token, token_rows, token_src)
+                lists[0].append((req, draw))
+                lists[1].append(sampling_row)
+                lists[2].append(row)
         logits = executed.logits
         sampled = scores = None
         if token:
             best_of = any(r.params.num_seqs > r.params.n for r in token_rows)  # ranks samples by logprob
-            sampled = self.sampler.sample(_rows_of(logits, token_src), token_rows, need_logprobs=best_of)
+
+            def sample(rows: torch.Tensor, sampling_rows: list[SamplingRow]) -> SampledBatch:
+                return self.sampler.sample(rows, sampling_rows, need_logprobs=best_of)
+
+            sampled, token = self._isolated(sample, logits, token, token_rows, token_src, index, failed)
         if score:
-            scores = self.sampler.beam_logprobs(_rows_of(logits, score_src), score_rows)
+            scores, score = self._isolated(
+                self.sampler.beam_logprobs, logits, score, score_rows, score_src, index, failed
+            )
         deferred = self.async_scheduling and all(d.defer for _, d in token + score)
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
         return _QueuedStep(index, token, sampled, score, scores, deferred, executed.events)
+
+    def _isolated(
+        self,
+        run: Callable[[torch.Tensor, list[SamplingRow]], Any],
+        logits: torch.Tensor,
+        draws: list[tuple[Request, Draw]],
+        rows: list[SamplingRow],
+        src: list[int],
+        index: int,
+        failed: list[RequestOutput],
+    ) -> tuple[Any, list[tuple[Request, Draw]]]:
+        """`run` over every row at once; if it raises, find the requests at fault by running each request's
+        rows alone, end them, and run the rest together. Returns the result and the draws it covers."""
+        try:
+            return run(_rows_of(logits, src), rows), draws
+        except Exception:
+            logger.exception("engine step %d: the sampler failed; looking for the requests at fault", index)
+        keep: list[int] = []
+        for req in dict.fromkeys(req for req, _ in draws):
+            mine = [i for i, (r, _) in enumerate(draws) if r is req]
+            try:
+                run(_rows_of(logits, [src[i] for i in mine]), [rows[i] for i in mine])
+            except Exception:
+                failed += self._fail_request(req, "sampling its next token failed", index)
+                continue
+            keep += mine
+        if not keep:
+            return None, []
+        result = run(_rows_of(logits, [src[i] for i in keep]), [rows[i] for i in keep])
+        return result, [draws[i] for i in keep]
 
     def _sampling_row(self, req: Request, seq: Sequence, draw: Draw) -> SamplingRow:
         p = req.params
@@ -367,20 +444,32 @@ class LLMEngine:
         return SamplingRow(p, prompt_ids, output_ids, draw.seed_key, banned, num_outputs)
 
     def _update(self, step: _QueuedStep) -> list[RequestOutput]:
-        """Apply a step's results: each request's strategy plans, the plan is applied, its output built."""
+        """Apply a step's results: each request's strategy plans, the plan is applied, its output built. A
+        request whose distribution was unusable, or whose update raises, fails alone."""
+        results, invalid = step.results()
         by_request: dict[Request, list[tuple[Draw, Any]]] = {}
-        for req, draw, result in step.results():
+        for req, draw, result in results:
             items = by_request.get(req)
             if items is None:
                 by_request[req] = [(draw, result)]
             else:
                 items.append((draw, result))
         outputs = []
-        for req, results in by_request.items():
+        for req, items in by_request.items():
             if self._requests.get(req.request_id) is not req:
                 continue  # aborted while the step was in flight: abort_request reported it
-            self._apply(req, req.strategy.plan(req, results), pending=step.deferred)
-            out = self.output.output(req)
+            if req in invalid:
+                message = (
+                    "no usable next-token distribution: every token is banned, or the logits are not finite"
+                )
+                outputs += self._fail_request(req, message, step.index, fault=False)
+                continue
+            try:
+                self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
+                out = self.output.output(req)
+            except Exception:
+                outputs += self._fail_request(req, "applying its next token failed", step.index)
+                continue
             outputs.append(out)
             if out.finished:
                 del self._requests[req.request_id]

@@ -208,5 +208,19 @@ class OutputProcessor:
             outputs=req.strategy.outputs(req),
             finished=group.is_finished(),
             error=req.error,
+            error_kind=req.error_kind,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        )
+
+    def failed(self, req: Request) -> RequestOutput:
+        """The final output of a request the engine ended on a fault: no outputs (its state may be the
+        fault's), only why."""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[],
+            finished=True,
+            error=req.error,
+            error_kind=req.error_kind,
         )

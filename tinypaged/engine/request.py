@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.outputs import CompletionOutput, Logprob
@@ -141,7 +141,8 @@ class Request:
     states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
     # With params.prompt_logprobs: None for the first prompt token, then one entry per prompt token scored.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    error: str | None = None  # why it ended without running (e.g. it can never fit in the cache)
+    error: str | None = None  # why it ended early (RequestOutput.error)
+    error_kind: Literal["ignored", "internal"] | None = None
 
     @property
     def request_id(self) -> str:

@@ -54,6 +54,9 @@ class SamplerOutput:
     top_ids: list[list[int]] | None  # [N][k] per row (k = the batch's largest logprobs request)
     top_logprobs: list[list[float]] | None
     ranks: list[int] | None  # rank of the sampled token in the distribution (1 = most likely)
+    # Per row: whether the processed distribution was usable (a finite best logit). False when every token was
+    # banned or the logits held NaN or infinities: that row's token means nothing.
+    valid: list[bool] | None = None
 
     def samples(self) -> list[TokenSample]:
         """One TokenSample per row."""
@@ -74,16 +77,18 @@ class SampledBatch:
     while they and any logprobs copy to the host; `result()` waits for the copy alone, not for later work."""
 
     token_ids: torch.Tensor  # [N] int64, on the logits' device
-    _host: tuple[torch.Tensor | None, ...]  # ids, chosen logprobs, top ids, top logprobs, ranks (host copies)
+    # Host copies: ids, validity, then chosen logprobs, top ids, top logprobs, ranks (None when not asked).
+    _host: tuple[torch.Tensor | None, ...]
     _copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU: they are done)
 
     def result(self) -> SamplerOutput:
         """The sampled tokens (and logprobs) as Python lists."""
         if self._copied is not None:
             self._copied.synchronize()
-        ids, chosen, top_ids, top_lps, ranks = self._host
+        ids, valid, chosen, top_ids, top_lps, ranks = self._host
+        assert ids is not None and valid is not None
         if chosen is None:
-            return SamplerOutput(ids.tolist(), None, None, None, None)
+            return SamplerOutput(ids.tolist(), None, None, None, None, valid.tolist())
         n = len(ids)
         return SamplerOutput(
             ids.tolist(),
@@ -91,6 +96,7 @@ class SampledBatch:
             top_ids.tolist() if top_ids is not None else [[] for _ in range(n)],
             top_lps.tolist() if top_lps is not None else [[] for _ in range(n)],
             ranks.tolist() if ranks is not None else None,
+            valid.tolist(),
         )
 
 
@@ -139,8 +145,9 @@ class Sampler:
             else:
                 next_ids = sampled
 
+        valid = torch.isfinite(logits.amax(dim=-1))
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        tensors: tuple[torch.Tensor | None, ...] = (next_ids, None, None, None, None)
+        tensors: tuple[torch.Tensor | None, ...] = (next_ids, valid, None, None, None, None)
         if k is not None or need_logprobs:
             k = k or 0
             logp = torch.log_softmax(raw.float(), dim=-1)
@@ -149,6 +156,7 @@ class Sampler:
             top = logp.topk(k, dim=-1) if k > 0 else None
             tensors = (
                 next_ids,
+                valid,
                 chosen[:, 0],
                 top.indices if top is not None else None,
                 top.values if top is not None else None,

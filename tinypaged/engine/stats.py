@@ -58,6 +58,7 @@ class EngineStats:
 
     num_running: int  # requests
     num_waiting: int
+    num_waiting_seqs: int  # the sequences waiting requests will run (prompts x best_of, or n)
     num_swapped: int
     gpu_cache_usage: float  # 0..1 of the KV blocks in use
     cpu_cache_usage: float  # 0..1 of the swap blocks in use
