@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        idle_timeout=args.idle_timeout,
     )
     return serve(lambda: AsyncEngine(engine_config), server_config)
 
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue-len",
         type=int,
         default=None,
-        help="answer 503 + Retry-After while this many requests wait (default: unbounded)",
+        help="most sequences waiting (prompts x n or best_of): a request that would pass it gets 503 + Retry-After "
+        "(default: unbounded)",
     )
     srv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     srv.add_argument(
@@ -112,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    srv.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=75.0,
+        help="seconds a connection may take to send a request's headers (or idle between requests) before it is "
+        "closed, and a request's body to arrive before 408",
     )
     srv.set_defaults(func=_serve)
 

@@ -23,6 +23,7 @@ from tinypaged.server.app import SERVING, ServerConfig, start_server, stop_serve
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512  # small, so that over-long prompts are cheap to send
+IDLE_TIMEOUT = 4.0  # seconds a connection may go without a complete request
 
 
 class LiveServer:
@@ -80,7 +81,23 @@ def server(model_dir: Path) -> Iterator[LiveServer]:
     """The server every test in tests/server shares (the model loads once)."""
     config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN)
     live = LiveServer(
-        AsyncEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
+        AsyncEngine(config),
+        ServerConfig(
+            host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0, idle_timeout=IDLE_TIMEOUT
+        ),
+    )
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def small_server(model_dir: Path) -> Iterator[LiveServer]:
+    """A second server on the default model with tight limits (context 64, 4 sequences, a queue of 8), for
+    tests that throw many requests at it (the API fuzz)."""
+    config = EngineConfig(model=model_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=128)
+    live = LiveServer(
+        AsyncEngine(config),
+        ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0, max_queue_len=8),
     )
     yield live
     live.close()

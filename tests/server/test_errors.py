@@ -3,6 +3,7 @@ queued, and the server stays healthy with every block free."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -99,6 +100,27 @@ CASES = [
     ),
     ("logprobs-string", "POST", C, comp(logprobs="3"), 400, "logprobs", {}, False),
     ("logprobs-too-many", "POST", C, comp(logprobs=100), 400, "logprobs", {}, False),
+    # Each prompt within the logprob-entries limit, the request's prompts together past it (limits.py).
+    (
+        "logprobs-entries-over-prompts",
+        "POST",
+        C,
+        comp(prompt=[[1]] * 120, logprobs=20, max_tokens=MAX_MODEL_LEN - 1),
+        400,
+        "logprobs",
+        {},
+        False,
+    ),
+    (
+        "prompt-logprobs-entries-over-prompts",
+        "POST",
+        C,
+        comp(prompt=[[1] * (MAX_MODEL_LEN - 12)] * 120, echo=True, logprobs=20, max_tokens=1),
+        400,
+        "logprobs",
+        {},
+        False,
+    ),
     ("seed-negative", "POST", C, comp(seed=-1), 400, "seed", {}, False),
     ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop", {}, False),
     ("stop-wrong-type", "POST", C, comp(stop=5), 400, "stop", {}, False),
@@ -314,14 +336,24 @@ def test_over_long_prompt_message_gives_the_lengths(raw) -> None:
     assert status == 400 and f"{MAX_MODEL_LEN + 10} tokens (10 in the prompt, {MAX_MODEL_LEN} for" in message
 
 
-def test_full_queue_gives_503_with_retry_after(raw, server) -> None:
-    server.serving.max_queue_len = 0  # every request finds the queue full
+def test_queue_limit_counts_sequences(raw, server, monkeypatch) -> None:
+    """max_queue_len counts waiting sequences (prompts x n): a request that would pass it gets 503 with
+    Retry-After, one larger than the whole queue 400; the engine's count of waiting sequences is faked here (the
+    engine's own count, submissions included, is tested in tests/engine/test_async_engine.py)."""
+    real = server.engine.stats
+    monkeypatch.setattr(server.engine, "stats", lambda: dataclasses.replace(real(), num_waiting_seqs=4))
+    server.serving.max_queue_len = 6
     try:
-        status, headers, data = raw("POST", C, comp())
+        status, headers, data = raw("POST", C, comp(n=3))  # 4 waiting + 3 > 6
+        assert status == 503 and int(headers["Retry-After"]) >= 1
+        assert json.loads(data)["error"]["code"] == "overloaded"
+        status, _, data = raw("POST", C, comp(prompt=["a", "b", "c"]))  # three prompts: 3 sequences too
+        assert status == 503
+        assert raw("POST", C, comp(n=2))[0] == 200  # 4 + 2 fits
+        status, _, data = raw("POST", C, comp(n=7))  # more than the whole queue: never admissible
+        assert status == 400 and json.loads(data)["error"]["param"] == "prompt"
     finally:
         server.serving.max_queue_len = None
-    assert status == 503 and int(headers["Retry-After"]) >= 1
-    assert json.loads(data)["error"]["code"] == "overloaded"
     assert raw("POST", C, comp())[0] == 200
 
 

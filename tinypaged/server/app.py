@@ -7,6 +7,7 @@ import hmac
 import logging
 import re
 import signal
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +49,10 @@ class ServerConfig:
     max_queue_len: int | None = None  # None: unbounded
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # Seconds a connection may stay without a complete request's headers (sending nothing, or half a header),
+    # or idle between requests, before the server closes it; and seconds a request's body may take to arrive
+    # (408 after).
+    idle_timeout: float = 75.0
 
 
 SERVING: web.AppKey[OpenAIServing] = web.AppKey("serving", OpenAIServing)
@@ -77,7 +82,21 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
             f"The request body has {request.content_length} bytes, more than the limit of {limit}.",
             code="request_too_large",
         )
-    body = await request.read()
+    timeout = request.app[CONFIG].idle_timeout
+    try:
+        async with asyncio.timeout(timeout):  # a body trickled in (or never sent) holds nothing for long
+            body = await request.read()
+    except TimeoutError as e:
+        raise APIError(
+            408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout"
+        ) from e
+    except web.HTTPException:
+        raise  # 413 from aiohttp's own size check (chunked bodies)
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding whose data does not decode
+        encoding = request.headers.get("Content-Encoding", "identity")
+        raise APIError(
+            400, f"The body could not be read (Content-Encoding: {encoding}).", code="invalid_body"
+        ) from e
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
@@ -86,6 +105,20 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
         raise APIError(400, message, param=m.group(1) if m else None, code="invalid_value") from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:  # msgspec's decoder stops at a nesting depth Python's stack allows
+        raise APIError(400, "The body's JSON is nested too deeply.", code="invalid_json") from e
+
+
+def unexpected_error(request: web.Request) -> APIError:
+    """A bug met while serving: logged with an id the client is given, never its text or traceback."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.exception("error %s serving %s %s", error_id, request.method, request.path)
+    return APIError(
+        500,
+        f"Internal server error (id {error_id}); it was logged.",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 @web.middleware
@@ -106,9 +139,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(APIError(e.status, messages.get(e.status, e.text or e.reason)))
     except asyncio.CancelledError:
         raise
-    except Exception as e:
-        logger.exception("error serving %s %s", request.method, request.path)
-        return error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+    except Exception:
+        return error_response(unexpected_error(request))
 
 
 @web.middleware
@@ -116,8 +148,9 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """401 without the right Bearer key (when one is set); 503 for new generations while draining."""
     key = request.app[CONFIG].api_key
     if key is not None and request.path not in PUBLIC_PATHS:
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:] if auth.startswith("Bearer ") else ""
+        # RFC 7235: the scheme is case-insensitive.
+        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+        given = given.strip() if scheme.lower() == "bearer" else ""
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(
                 401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
@@ -156,10 +189,9 @@ async def _respond(
         return resp
     except APIError as e:
         await resp.write(sse(p.ErrorResponse(error=e.info)) + SSE_DONE)
-    except Exception as e:  # headers are out: the error goes in the stream, as vLLM sends it
-        logger.exception("error mid-stream")
-        info = p.ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error")
-        await resp.write(sse(p.ErrorResponse(error=info)) + SSE_DONE)
+    except Exception:  # headers are out: the error goes in the stream, as vLLM sends it
+        error = unexpected_error(request)
+        await resp.write(sse(p.ErrorResponse(error=error.info)) + SSE_DONE)
     finally:
         await events.aclose()
     await resp.write_eof()
@@ -185,7 +217,8 @@ async def tokenize(request: web.Request) -> web.StreamResponse:
 
 async def detokenize(request: web.Request) -> web.StreamResponse:
     """POST /detokenize."""
-    return json_response(request.app[SERVING].detokenize(await _decode(request, p.DetokenizeRequest)))
+    req = await _decode(request, p.DetokenizeRequest)
+    return json_response(await request.app[SERVING].detokenize(req))
 
 
 async def models(request: web.Request) -> web.StreamResponse:
@@ -254,10 +287,13 @@ async def start_server(engine: EngineClient, config: ServerConfig) -> tuple[web.
     """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free)."""
     app = build_app(engine, config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    # keepalive_timeout: aiohttp starts it when a connection opens and again after each response, so it closes
+    # a connection that never completes a request's headers as well as an idle one.
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout,
+        keepalive_timeout=config.idle_timeout,
         access_log=logging.getLogger("aiohttp.access"),
     )
     await runner.setup()

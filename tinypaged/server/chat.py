@@ -79,7 +79,7 @@ async def create_chat_completion(
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     text = await serving.render_chat(req.messages, req.add_generation_prompt)
-    prompt = TokenizedPrompt(text, await serving.encode(text, False))
+    prompt = TokenizedPrompt(text, await serving.encode(text, False, "messages"))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.sampling_params(req, serving.max_tokens(len(prompt.ids), requested, None), top)

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from tinypaged.limits import MAX_PROMPTS
 from tinypaged.server import formatting as fmt
 from tinypaged.server import protocol as p
 from tinypaged.server.responses import ChoiceDelta, respond
@@ -26,6 +27,8 @@ async def _completion_prompts(serving: OpenAIServing, prompt: str | list) -> lis
         raise APIError(400, "prompt must not be an empty list", param="prompt")
     if all(isinstance(x, int) for x in prompt):
         prompt = [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
     kinds = {type(x) for x in prompt}
     if len(kinds) > 1:
         raise APIError(
@@ -37,7 +40,7 @@ async def _completion_prompts(serving: OpenAIServing, prompt: str | list) -> lis
     out = []
     for x in prompt:
         if isinstance(x, str):
-            out.append(TokenizedPrompt(x, await serving.encode(x, True)))
+            out.append(TokenizedPrompt(x, await serving.encode(x, True, "prompt")))
         else:
             out.append(TokenizedPrompt(None, list(x)))
     return out
@@ -112,9 +115,10 @@ async def create_completion(
         )
         for pr in prompts
     ]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    outputs = serving.generate(rid, prompts, params)  # checked here: a prompt too long is refused unread
     for pr in prompts:
         if pr.text is None and req.echo:
             pr.text = serving.tokenizer.decode(pr.ids, False)
-    rid = f"cmpl-{uuid.uuid4().hex}"
     formatter = CompletionFormat(rid, serving.model_name, req, prompts, serving.tokenizer)
-    return await respond(serving.generate(rid, prompts, params), req, params, formatter)
+    return await respond(outputs, req, params, formatter)

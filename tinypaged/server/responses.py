@@ -16,7 +16,7 @@ import msgspec
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
-from tinypaged.server.serving import APIError
+from tinypaged.server.serving import APIError, internal_error
 
 _encoder = msgspec.json.Encoder()
 
@@ -178,7 +178,10 @@ def final_only(params: SamplingParams) -> bool:
 
 
 def raise_if_failed(out: RequestOutput) -> None:
-    """400 for a request the engine ended without running (e.g. one that can never fit in the cache)."""
+    """A request the engine ended early: 400 when it can never fit in the cache, 500 naming it when the engine
+    failed while running it (alone: the others went on)."""
+    if out.error_kind == "internal":
+        raise internal_error(out.request_id, out.error or "an internal error")
     if out.error:
         raise APIError(400, out.error)
 

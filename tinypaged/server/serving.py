@@ -17,7 +17,8 @@ from pathlib import Path
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.client import EngineClient
-from tinypaged.errors import RequestError
+from tinypaged.engine.inputs import check_logprob_entries, context_length_error, logprob_entries
+from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
@@ -54,6 +55,16 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
         self.info = p.ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def internal_error(request_id: str, reason: str) -> APIError:
+    """A failure inside the engine, as the client sees it: the request's id, never the fault's text."""
+    return APIError(
+        500,
+        f"The server failed to complete request {request_id}: {reason}. It was logged; please retry.",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def request_error(e: RequestError, prompt_param: str = "prompt") -> APIError:
@@ -99,25 +110,37 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_queue(self) -> None:
-        """503 with Retry-After while `max_queue_len` requests already wait for the engine."""
-        if self.max_queue_len is None:
+    def check_queue(self, new_seqs: int, param: str) -> None:
+        """`max_queue_len` counts the sequences waiting (prompts x best_of, or n): 503 with Retry-After when
+        this request's `new_seqs` would pass it; 400 for a request larger than the whole queue."""
+        limit = self.max_queue_len
+        if limit is None:
             return
-        waiting = self.engine.stats().num_waiting
-        if waiting >= self.max_queue_len:
+        if new_seqs > limit:
+            raise APIError(
+                400,
+                f"This request would queue {new_seqs} sequences (prompts x best_of, or n), more than the "
+                f"server's max_queue_len of {limit}.",
+                param=param,
+            )
+        waiting = self.engine.stats().num_waiting_seqs
+        if waiting + new_seqs > limit:
             raise APIError(
                 503,
-                f"The server is overloaded: {waiting} requests are waiting (max_queue_len "
-                f"{self.max_queue_len}); retry later.",
+                f"The server is overloaded: {waiting} sequences are waiting and this request adds {new_seqs} "
+                f"(max_queue_len {limit}); retry later.",
                 type="server_error",
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of a text (a long one tokenized in a thread)."""
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of a text. One that is surely longer than the context is refused by its size, untokenized;
+        a long one is tokenized in a thread with the GIL released, so the event loop keeps serving."""
+        if self.tokenizer.surely_longer_than(text, self.max_model_len):
+            raise request_error(context_length_error(self.max_model_len), param)
         if len(text) > _LONG_TEXT:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+            return await asyncio.to_thread(self.tokenizer.encode_unlocked, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int | None:
@@ -185,10 +208,10 @@ class OpenAIServing:
     # ---- generation -----------------------------------------------------------------------------------
 
     async def _track(
-        self, gen: AsyncGenerator[RequestOutput, None], prompt_param: str
+        self, gen: AsyncGenerator[RequestOutput, None], request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; the
-        engine's refusal of the request as a 400."""
+        """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; a failure
+        inside the engine as a 500 naming the request (the details are in the server's log)."""
         start = time.monotonic()
         last, seen = 0.0, 0
         outcome: str | None = "abort"  # what to count if the request ends early: a client gone, a shutdown
@@ -210,9 +233,9 @@ class OpenAIServing:
                         "error" if out.error or not out.outputs else out.outputs[0].finish_reason
                     )
                 yield out
-        except RequestError as e:  # the engine refused the request (its one validation of every request)
-            outcome = None
-            raise request_error(e, prompt_param) from e
+        except EngineError as e:
+            outcome = "error"
+            raise internal_error(request_id, str(e)) from e
         except Exception:
             outcome = "error"
             raise
@@ -228,24 +251,35 @@ class OpenAIServing:
         params: list[SamplingParams],
         prompt_param: str = "prompt",
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Start one engine request per prompt (503 first when the queue is full); their outputs merged, tagged
-        with the prompt's index.
+        """Start one engine request per prompt; their outputs merged, tagged with the prompt's index.
 
         A prompt's `n` (or `best_of`) sequences are one request: the engine forks them after the prompt, so
-        they share its KV blocks; each output's `index` tells them apart. `prompt_param` is what the request
-        calls its prompt, for the engine's errors.
+        they share its KV blocks; each output's `index` tells them apart. The queue check and the queueing run
+        with no await between them, so concurrent requests cannot all pass a nearly full queue. A prompt the
+        engine refuses is a 400 (`prompt_param`: what the request calls its prompt) and none of them runs.
         """
-        self.check_queue()
-        gens = [
-            self._track(
-                self.engine.generate(
-                    {"prompt": pr.text, "prompt_token_ids": pr.ids}, sp, f"{request_id}-{i}"
-                ),
-                prompt_param,
-            )
-            for i, (pr, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
-        return merge(gens)
+        self.check_queue(sum(sp.num_seqs for sp in params), prompt_param)
+        # The engine bounds each prompt's logprobs; one HTTP request's prompts are bounded together too.
+        if len(prompts) > 1:
+            try:
+                pairs = zip(prompts, params, strict=True)
+                check_logprob_entries(
+                    sum(logprob_entries(sp, len(pr.ids), self.max_model_len) for pr, sp in pairs)
+                )
+            except RequestError as e:
+                raise request_error(e) from e
+        gens: list[AsyncGenerator[RequestOutput, None]] = []
+        try:
+            for i, (pr, sp) in enumerate(zip(prompts, params, strict=True)):
+                prompt = {"prompt": pr.text, "prompt_token_ids": pr.ids}
+                gens.append(self.engine.generate(prompt, sp, f"{request_id}-{i}"))
+        except (RequestError, EngineError) as e:
+            for i in range(len(gens)):
+                asyncio.ensure_future(self.engine.abort(f"{request_id}-{i}"))
+            if isinstance(e, RequestError):
+                raise request_error(e, prompt_param) from e
+            raise internal_error(request_id, str(e)) from e
+        return merge([self._track(g, f"{request_id}-{i}") for i, g in enumerate(gens)])
 
     async def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
         """The chat template applied to the messages (400 if the template rejects them)."""
@@ -269,18 +303,22 @@ class OpenAIServing:
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             text = await self.render_chat(req.messages, req.add_generation_prompt)
-            ids = await self.encode(text, False)
+            ids = await self.encode(text, False, "messages")
         else:
-            ids = await self.encode(req.prompt or "", req.add_special_tokens)
+            ids = await self.encode(req.prompt or "", req.add_special_tokens, "prompt")
         return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
 
-    def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        """The text of token ids."""
+    async def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """The text of token ids (many of them decoded in a thread, the GIL released)."""
         self.check_model(req.model)
         vocab = vocab_size(self.engine.config)
         bad = next((t for t in req.tokens if t >= vocab), None)
         if bad is not None:  # not a generation request: the engine never sees these ids
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
+        if len(req.tokens) > _LONG_TEXT // 4:
+            return p.DetokenizeResponse(
+                prompt=await asyncio.to_thread(self.tokenizer.decode_unlocked, req.tokens, False)
+            )
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, False))
 
     def models(self) -> p.ModelList:
