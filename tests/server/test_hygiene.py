@@ -184,3 +184,17 @@ def test_a_request_failing_inside_the_engine_fails_alone(server, monkeypatch, st
         assert error["code"] == "internal_error" and error["type"] == "server_error"
         assert "cmpl-" in error["message"] and "injected" not in error["message"]
     server.wait_idle()
+
+
+def test_a_chat_surely_past_the_context_is_not_rendered(raw, server, monkeypatch) -> None:
+    """Many short messages (more than the context has tokens) are refused by their count, before the chat
+    template (which holds the GIL while it renders) ever sees them."""
+    rendered: list[int] = []
+    tok = server.serving.tokenizer
+    real = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
+    messages = [{"role": "user", "content": "hi"}] * (server.serving.max_model_len + 1)
+    status, _, data = raw("POST", CHAT, {"messages": messages, "max_tokens": 1})
+    error = _assert_error(status, data, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages", error
+    assert rendered == []

@@ -289,6 +289,11 @@ class OpenAIServing:
             if isinstance(content, list):
                 content = "\n".join(part.text for part in content)
             dicts.append({"role": m.role, "content": content or ""})
+        # Rendering holds the GIL: a chat surely past the context (each message is at least a token, and no
+        # token is longer than max_token_chars) is refused by its size, unrendered.
+        chars = sum(len(d["content"]) for d in dicts)
+        if len(dicts) > self.max_model_len or chars > self.max_model_len * self.tokenizer.max_token_chars:
+            raise request_error(context_length_error(self.max_model_len), "messages")
         try:
             return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
