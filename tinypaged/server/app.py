@@ -69,8 +69,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(e: APIError) -> web.Response:
-    """OpenAI's error JSON with the error's status and headers."""
-    return json_response(p.ErrorResponse(error=e.info), e.status, e.headers)
+    """OpenAI's error JSON with the error's status and headers (`Connection: close` closes the connection)."""
+    response = json_response(p.ErrorResponse(error=e.info), e.status, e.headers)
+    if e.headers and e.headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
 async def _decode(request: web.Request, cls: type[T]) -> T:
@@ -93,9 +96,15 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
     except web.HTTPException:
         raise  # 413 from aiohttp's own size check (chunked bodies)
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding whose data does not decode
+        # Nothing more is read: without this aiohttp would drain the body after the answer, meet the error again
+        # and log its traceback (a client could fill the log); the connection closes after the 400.
+        request.content.feed_eof()
         encoding = request.headers.get("Content-Encoding", "identity")
         raise APIError(
-            400, f"The body could not be read (Content-Encoding: {encoding}).", code="invalid_body"
+            400,
+            f"The body could not be read (Content-Encoding: {encoding}).",
+            code="invalid_body",
+            headers={"Connection": "close"},
         ) from e
     try:
         return msgspec.json.decode(body, type=cls)
