@@ -168,10 +168,12 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
     aengine: AsyncEngine, monkeypatch
 ) -> None:
     """Snapshots are taken by the loop task, never while a step runs in the worker thread; viewers asking
-    together share one; a viewer gone takes nothing; after shutdown a snapshot is an EngineError."""
+    together share one; a viewer gone takes nothing; a failing one fails its viewer only; after shutdown a
+    snapshot is an EngineError."""
     engine = aengine.engine
     in_step = threading.Event()
     taken = []
+    broken = [True]  # the first snapshot fails
     real_step, real_snapshot = engine.step, engine.snapshot
 
     def step():  # noqa: ANN202
@@ -183,6 +185,9 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
 
     def snapshot():  # noqa: ANN202
         assert not in_step.is_set(), "a snapshot taken while a step runs"
+        if broken:
+            broken.pop()
+            raise RuntimeError("broken view")
         taken.append(real_snapshot())
         return taken[-1]
 
@@ -191,6 +196,9 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
 
     async def main(seen: list) -> None:
+        with pytest.raises(RuntimeError, match="broken view"):
+            await aengine.snapshot()
+        assert aengine.is_running  # a failed snapshot is its viewer's: the loop goes on
         idle = await aengine.snapshot()
         assert not idle.cache.gpu.holders and idle.stats.num_free_gpu_blocks == idle.stats.num_gpu_blocks
         run = asyncio.create_task(_drain(aengine.generate("A story about blocks", params, "viewed")))

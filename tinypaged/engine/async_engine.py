@@ -277,10 +277,15 @@ class AsyncEngine:
         snapshot: EngineSnapshot | None = None  # one for every viewer that asked since the last add or abort
         for kind, arg in ops:
             if isinstance(arg, asyncio.Future):
-                if not arg.done():  # not cancelled: its viewer still waits
-                    if snapshot is None:
-                        snapshot = self.engine.snapshot()
-                    arg.set_result(snapshot)
+                if arg.done():
+                    continue  # cancelled: its viewer is gone
+                try:
+                    snapshot = snapshot or self.engine.snapshot()
+                except Exception as e:  # it only reads: a failure is the viewer's, the engine goes on
+                    logger.exception("taking a KV cache snapshot")
+                    arg.set_exception(e)
+                    continue
+                arg.set_result(snapshot)
                 continue
             snapshot = None
             if isinstance(arg, EngineRequest):
