@@ -81,9 +81,12 @@ def settings(page: Any, **fields: object) -> None:
 
 
 def screenshot(page: Any, name: str) -> Path:
+    """The page down to the end of its content, saved under tests/artifacts/."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / name
-    page.screenshot(path=str(path))
+    bottom = page.evaluate("document.querySelector('main').getBoundingClientRect().bottom")
+    width = page.viewport_size["width"]
+    page.screenshot(path=str(path), clip={"x": 0, "y": 0, "width": width, "height": min(bottom, 900)})
     print(f"screenshot: {path}")
     return path
 
@@ -178,6 +181,34 @@ def test_a_reply_with_a_script_tag_stays_text(page: Any, server: Any) -> None:
     assert not page.dialogs
     wait_all_free(page)
     server.wait_idle()
+
+
+def test_fifty_thousand_blocks_are_drawn_on_one_canvas(page: Any) -> None:
+    """A large cache (here a made-up view of 50,000 blocks, 500 requests) is cells on a canvas, not DOM nodes."""
+    drawn_ms = page.evaluate(
+        """() => {
+        kvView.live.checked = false;  // no poll replaces the made-up view
+        kvView.schedule();
+        const requests = [], runs = [];
+        for (let i = 0; i < 500; i++) {
+            requests.push({id: `cmpl-${i}-0`, gpu_blocks: 90, cpu_blocks: 0});
+            runs.push((i + 1) << 2 | 2, 60, (i + 1) << 2, 30);  // 60 shared blocks, 30 not
+        }
+        runs.push(1, 1000, 0, 4000);  // free: cached, then plain
+        const pool = (n, free, shared, cached, runs) =>
+            ({num_blocks: n, num_free: free, num_shared: shared, num_cached: cached, runs});
+        const view = {block_size: 16, requests, gpu: pool(50000, 5000, 30000, 1000, runs),
+            cpu: pool(0, 0, 0, 0, []), num_running: 500, num_waiting: 0, num_swapped: 0,
+            gpu_cache_usage: 0.9, cpu_cache_usage: 0, num_preemptions: 0, num_steps: 1};
+        const t0 = performance.now();
+        kvView.render(view);
+        return performance.now() - t0;
+    }"""
+    )
+    print(f"50,000 blocks drawn in {drawn_ms:.0f} ms")
+    assert page.text_content("#kv-gpu-held") == "45000" and page.text_content("#kv-gpu-total") == "50000"
+    assert page.evaluate("document.querySelectorAll('#kv *').length") < 1000
+    assert drawn_ms < 1000
 
 
 def test_cache_view_under_preemption(browser: Any, make_server: Any) -> None:
