@@ -9,14 +9,23 @@ const KV_POLL_MS = 250;
 const KV_HISTORY_MS = 60_000;
 const KV_COLORS = { free: "#e4e7ec", freeCached: "#c5e3da", mark: "#1d2330", gpu: "#2f6fdf", cpu: "#d97706" };
 
-// A stable colour per request id (the same in the grid, the table and across polls).
+// A colour per request id, the same in the grid, the table and across polls: hues a golden angle apart in the
+// order this tab first saw the requests, so that requests running together get distinct colours.
+const KV_HUES = new Map();
+
 function requestHue(id) {
-  let h = 2166136261;
-  for (let i = 0; i < id.length; i++) {
-    h ^= id.charCodeAt(i);
-    h = Math.imul(h, 16777619);
+  let hue = KV_HUES.get(id);
+  if (hue === undefined) {
+    hue = (KV_HUES.size * 137.508 + 210) % 360;
+    KV_HUES.set(id, hue);
   }
-  return ((h >>> 0) * 137.508) % 360;
+  return hue;
+}
+
+function forgetHues(requests) {
+  if (KV_HUES.size < 4096) return;
+  const live = new Set(requests.map((r) => r.id));
+  for (const id of KV_HUES.keys()) if (!live.has(id)) KV_HUES.delete(id);
 }
 
 function requestColor(id, light = false) {
@@ -240,6 +249,7 @@ class KVView {
       "kv-usage-now",
       `GPU ${(view.gpu_cache_usage * 100).toFixed(1)}% · CPU ${(view.cpu_cache_usage * 100).toFixed(1)}%`,
     );
+    forgetHues(view.requests);
     this.usage.add(view);
     this.gpu.draw(view.gpu, view.requests);
     this.cpu.draw(view.cpu, view.requests);
