@@ -17,10 +17,13 @@ from aiohttp import web
 
 from tinypaged import __version__
 from tinypaged.engine.client import EngineClient
+from tinypaged.errors import EngineError
 from tinypaged.server import protocol as p
 from tinypaged.server.chat import create_chat_completion
 from tinypaged.server.completions import create_completion
+from tinypaged.server.kv_view import kv_cache_view
 from tinypaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from tinypaged.server.page import PAGE_PATHS, page_routes
 from tinypaged.server.responses import SSE_DONE, sse
 from tinypaged.server.serving import APIError, OpenAIServing, model_path
 
@@ -30,7 +33,8 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths open without the API key: probes and scrapes, as vLLM leaves them.
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+# The playground page too: it holds no secret (its API calls carry the key its user types).
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"}) | PAGE_PATHS
 # Paths that queue work on the engine: refused while the server drains.
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -253,6 +257,15 @@ async def metrics(request: web.Request) -> web.StreamResponse:
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def kv_cache(request: web.Request) -> web.StreamResponse:
+    """GET /kv-cache: the KV cache's blocks between two steps (`server/kv_view.py` has the format)."""
+    try:
+        snap = await request.app[ENGINE].snapshot()
+    except EngineError as e:
+        raise APIError(503, str(e), type="server_error") from e
+    return json_response(kv_cache_view(snap))
+
+
 async def openapi(request: web.Request) -> web.StreamResponse:
     """GET /openapi.json."""
     return json_response(p.openapi_schema(__version__))
@@ -280,6 +293,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/kv-cache", kv_cache)
+    app.router.add_routes(page_routes())
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()
