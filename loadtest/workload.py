@@ -47,7 +47,7 @@ class LengthDist:
         s = spec.strip().lower()
         try:
             if re.fullmatch(r"\d+", s):
-                return cls("fixed", int(s))
+                return cls._checked("fixed", int(s))
             if m := re.fullmatch(r"(\d+)-(\d+)", s):
                 return cls._checked("uniform", int(m[1]), int(m[2]))
             kind, _, rest = s.partition(":")
@@ -213,8 +213,14 @@ class Stream:
                 self.text[i] = self.text.get(i, "") + piece
                 got_output = True
             if i == 0 and (lp := choice.get("logprobs")):
-                self.tokens += lp.get("tokens") or []
-                self.top_logprobs += lp.get("top_logprobs") or []
+                if "content" in lp:  # chat: a list of {token, logprob, top_logprobs: [{token, logprob}]}
+                    self.tokens += [t["token"] for t in lp["content"]]
+                    self.top_logprobs += [
+                        {a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in lp["content"]
+                    ]
+                else:  # completions: parallel lists
+                    self.tokens += lp.get("tokens") or []
+                    self.top_logprobs += lp.get("top_logprobs") or []
             if choice.get("finish_reason") is not None:
                 if i in self.finish:
                     self.problems.append(f"choice {i} finished twice")
