@@ -74,6 +74,7 @@ class Tally:
     outcomes: dict[str, Counter] = field(default_factory=dict)
     statuses: Counter = field(default_factory=Counter)
     greedy: Counter = field(default_factory=Counter)
+    gaps: list[float | None] = field(default_factory=list)  # where greedy runs parted: the alone top-2 gap
     violations: list[str] = field(default_factory=list)
 
     def note(self, kind: str, outcome: str, status: int | None = None) -> None:
@@ -145,7 +146,9 @@ class Soak:
         k = next((i for i, (a, b) in enumerate(zip(s.tokens, ref.tokens, strict=False)) if a != b), None)
         if k is not None and k < len(ref.top) and len(ref.top[k]) >= 2:
             best = sorted(ref.top[k].values(), reverse=True)
-            if best[0] - best[1] <= self.args.tie_tolerance and s.tokens[k] in ref.top[k]:
+            gap = best[0] - best[1]
+            self.tally.gaps.append(round(gap, 4) if s.tokens[k] in ref.top[k] else None)
+            if gap <= self.args.tie_tolerance and s.tokens[k] in ref.top[k]:
                 return "near_tie"
         return "differ"
 
@@ -194,6 +197,11 @@ class Soak:
             self.tally.violate(f"sampled {path}: {problems}")
 
     def _unexpected(self, kind: str, status: int, body: bytes) -> None:
+        """A status a normal request should not get; except the documented 503 of a full queue (a burst can
+        fill it under any request), counted apart."""
+        if status == 503 and b'"overloaded"' in body:
+            self.tally.note(kind, "refused_overloaded_503", status)
+            return
         self.tally.note(kind, f"http_{status}", status)
         self.tally.violate(f"{kind}: HTTP {status} {body[:200]!r}")
 
@@ -389,9 +397,11 @@ class Soak:
         """References, the load, then the checks; the report."""
         a = self.args
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
-        async with aiohttp.ClientSession(
-            headers=self.auth, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-        ) as session:
+        # Pooled connections are let go well before the server's idle timeout closes them: a request sent on a
+        # connection the server is closing at that moment would be reset (a keep-alive race, not a fault).
+        keepalive = min(15.0, (a.idle_timeout or 30.0) / 2)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive)
+        async with aiohttp.ClientSession(headers=self.auth, timeout=timeout, connector=connector) as session:
             if a.model is None:
                 async with session.get(self.base + "/v1/models") as r:
                     a.model = (await r.json())["data"][0]["id"]
@@ -439,6 +449,8 @@ class Soak:
             "outcomes": {k: dict(v) for k, v in sorted(t.outcomes.items())},
             "statuses": dict(sorted(t.statuses.items())),
             "greedy": dict(t.greedy),
+            # At each parting: the two best log-probabilities' gap alone (None: the token taken was not among them).
+            "parting_gaps": _gap_summary(t.gaps),
             "server": {
                 "running": m1.get("tinypaged:num_requests_running"),
                 "waiting": m1.get("tinypaged:num_requests_waiting"),
@@ -524,6 +536,16 @@ def _dechunk(data: bytes) -> bytes:
     return bytes(out)
 
 
+def _gap_summary(gaps: list[float | None]) -> dict:
+    known = sorted(g for g in gaps if g is not None)
+    q = (
+        {f"p{p}": known[min(len(known) - 1, int(p / 100 * len(known)))] for p in (50, 90, 99)}
+        if known
+        else {}
+    )
+    return {"partings": len(gaps), "not_in_top2": gaps.count(None), **q, "max": known[-1] if known else None}
+
+
 def _mib(value: float | None) -> float | None:
     return None if value is None else round(value / MIB, 1)
 
@@ -535,7 +557,9 @@ def summary_lines(report: dict) -> list[str]:
         f"soak: {sum(report['requests'].values())} requests in {report['load_s']} s: "
         + ", ".join(f"{k} {v}" for k, v in sorted(report["requests"].items())),
         "statuses: " + ", ".join(f"{k}: {v}" for k, v in report["statuses"].items()),
-        "greedy vs alone: " + (", ".join(f"{k} {v}" for k, v in report["greedy"].items()) or "none"),
+        "greedy vs alone: "
+        + (", ".join(f"{k} {v}" for k, v in report["greedy"].items()) or "none")
+        + f"; where they parted, alone top-2 gaps: {report['parting_gaps']}",
         f"end: {s['running']:.0f} running, {s['waiting']:.0f} waiting, {s['free_blocks']:.0f} of "
         f"{s['total_blocks']:.0f} KV blocks free; aborted requests {s['aborted_requests']:.0f}",
         f"server RSS: {s['rss_mib_before']} MiB before, {s['rss_mib_after_warmup']} after warm-up, "

@@ -78,3 +78,4 @@ def test_greedy_comparison_and_near_ties() -> None:
     assert tolerant.compare(ref, parted_at_tie) == "near_tie"  # 0.02 apart at the token where they parted
     assert tolerant.compare(ref, stream([" x", " b", " c"])) == "differ"  # 2.9 apart: a real difference
     assert tolerant.compare(ref, stream([" a", " w", " c"])) == "differ"  # not among the reference's best two
+    assert tolerant.tally.gaps == [0.02, 2.9, None]  # each parting's gap, for the report
