@@ -19,6 +19,18 @@ API_KEY = "load-key"
 LIMITS = {"max_num_seqs": 8, "max_queue_len": 8, "idle_timeout": 3, "max_body_bytes": 256 * 1024}
 
 
+@pytest.fixture
+def api_key() -> str:
+    """The live server's API key (a fixture: test modules cannot import conftest, tests/server has one too)."""
+    return API_KEY
+
+
+@pytest.fixture
+def limits() -> dict:
+    """The live server's limits."""
+    return dict(LIMITS)
+
+
 @pytest.fixture(scope="package")
 def live(model_dir: Path) -> Iterator[LocalServer]:
     """The server, as an operator starts one; it must shut down cleanly (exit 0) at the end."""

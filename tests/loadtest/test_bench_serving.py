@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bench_serving import _gaps, main
-from conftest import API_KEY
 
 
-def test_random_workload_sweep(live, tmp_path: Path, capsys) -> None:
+def test_random_workload_sweep(live, tmp_path: Path, capsys, api_key: str) -> None:
     out = tmp_path / "r.json"
-    args = ["--url", live.url, "--api-key", API_KEY, "--num-prompts", "6", "--prompt-len", "8", "32"]
+    args = ["--url", live.url, "--api-key", api_key, "--num-prompts", "6", "--prompt-len", "8", "32"]
     args += [
         "--output-len",
         "4-12",
@@ -55,9 +54,9 @@ def test_random_workload_sweep(live, tmp_path: Path, capsys) -> None:
     assert "saturation:" in capsys.readouterr().out
 
 
-def test_multi_turn_chats_carry_their_history(live, tmp_path: Path) -> None:
+def test_multi_turn_chats_carry_their_history(live, tmp_path: Path, api_key: str) -> None:
     out = tmp_path / "mt.json"
-    args = ["--url", live.url, "--api-key", API_KEY, "--dataset", "multi-turn", "--num-prompts", "2"]
+    args = ["--url", live.url, "--api-key", api_key, "--dataset", "multi-turn", "--num-prompts", "2"]
     args += [
         "--turns",
         "3",

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import API_KEY, LOADTEST
+LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 
 
-def test_headless_locust_run(live, tmp_path: Path) -> None:
+def test_headless_locust_run(live, tmp_path: Path, api_key: str) -> None:
     locust = Path(sys.executable).parent / "locust"
     cmd = [
         str(locust),
@@ -27,7 +27,7 @@ def test_headless_locust_run(live, tmp_path: Path) -> None:
     cmd += ["--run-time", "12s", "--host", live.url, "--csv", str(tmp_path / "run"), "--only-summary"]
     cmd += ["--prompt-len", "8-32", "--chat-turns", "2"]
     # The API key and the output lengths come from the environment, the rest from flags.
-    env = {**os.environ, "TINYPAGED_API_KEY": API_KEY, "TINYPAGED_OUTPUT_LEN": "4-10"}
+    env = {**os.environ, "TINYPAGED_API_KEY": api_key, "TINYPAGED_OUTPUT_LEN": "4-10"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}

@@ -7,18 +7,17 @@ import argparse
 import json
 from pathlib import Path
 
-from conftest import API_KEY, LIMITS
 from soak import Reference, Soak, build_parser, main
 from workload import Stream
 
 
-def test_short_soak(live, tmp_path: Path, capsys) -> None:
+def test_short_soak(live, tmp_path: Path, capsys, api_key: str, limits: dict) -> None:
     out = tmp_path / "soak.json"
-    args = ["--url", live.url, "--api-key", API_KEY, "--duration", "16", "--concurrency", "4"]
+    args = ["--url", live.url, "--api-key", api_key, "--duration", "16", "--concurrency", "4"]
     args += ["--references", "4", "--output-len", "3-8", "--long-output", "24", "--stall", "2.5"]
     args += ["--burst-every", "6", "--out", str(out)]
     for name in ("max_queue_len", "idle_timeout", "max_body_bytes"):  # the server's limits, to push past
-        args += ["--" + name.replace("_", "-"), str(LIMITS[name])]
+        args += ["--" + name.replace("_", "-"), str(limits[name])]
     status = main(args)
     text = capsys.readouterr().out
     assert status == 0, text
