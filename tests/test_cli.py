@@ -149,3 +149,14 @@ def test_help_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_api_key_from_the_environment(monkeypatch) -> None:
+    """`serve` takes its key from $TINYPAGED_API_KEY (kept out of the process list); a flag overrides it."""
+    from tinypaged.cli import build_parser
+
+    monkeypatch.delenv("TINYPAGED_API_KEY", raising=False)
+    assert build_parser().parse_args(["serve"]).api_key is None
+    monkeypatch.setenv("TINYPAGED_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"

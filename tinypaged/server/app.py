@@ -40,6 +40,16 @@ GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 _encoder = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`")
+
+
+def _error_param(message: str) -> str | None:
+    """The parameter a msgspec validation error is about (`messages[0].content`), from its message."""
+    at, missing = _AT.search(message), _MISSING.search(message)
+    path = at.group(1) if at else ""
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
 
 
 @dataclass(frozen=True)
@@ -113,9 +123,7 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
-        message = str(e)
-        m = _AT.search(message)
-        raise APIError(400, message, param=m.group(1) if m else None, code="invalid_value") from e
+        raise APIError(400, str(e), param=_error_param(str(e)), code="invalid_value") from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from e
     except RecursionError as e:  # msgspec's decoder stops at a nesting depth Python's stack allows
