@@ -12,8 +12,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # each: the stop-string search and hold-back scan this much per token
 MAX_STOP_TOKEN_IDS = 256
 # Logprob entries one request (one HTTP request's prompts together) may make the engine keep: sequences x output
-# tokens x (1 + logprobs), plus prompt tokens x (1 + prompt_logprobs). An entry costs about 800 bytes of Python
-# objects at its peak, so this bounds a request's logprobs under 1 GiB (benchmarks/worst_request.py).
+# tokens x (1 + logprobs), plus prompt tokens x (1 + prompt_logprobs). An entry costs about 500 bytes of Python
+# objects and JSON at its peak: a request at the limit peaked 527 MiB over idle (benchmarks/worst_request.py).
 MAX_LOGPROB_ENTRIES = 1024 * 1024
 LENGTH_PENALTY = (-10.0, 10.0)  # beam scores divide by length ** length_penalty: finite for any length
 REPETITION_PENALTY = (0.01, 2.0)  # logits divided (or multiplied) by it stay finite in float32
