@@ -149,3 +149,22 @@ def test_help_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_dead_engine_is_one_line_and_status_1(capsys, tiny_model: Path, monkeypatch) -> None:
+    """An engine that stops under the CLI (a tensor-parallel worker killed, say) ends it with its reason."""
+    from tinypaged.errors import EngineDeadError
+    from tinypaged.llm import LLM
+
+    def dead(*args: object, **kwargs: object) -> None:
+        raise EngineDeadError("tensor-parallel worker 1 (pid 7) was killed by signal 9")
+
+    monkeypatch.setattr(LLM, "generate", dead)
+    code, out, err = _run(capsys, "generate", "--model", str(tiny_model), "Hello")
+    assert (code, out, err) == (1, "", "error: tensor-parallel worker 1 (pid 7) was killed by signal 9\n")
+
+
+def test_worker_needs_the_rendezvous(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    code, out, err = _run(capsys, "worker", "--rank", "1")
+    assert code == 2 and err == "error: set MASTER_ADDR and MASTER_PORT to rank 0's\n"
