@@ -204,6 +204,8 @@ def _kernel_table(prof: Any, wall: float, steps: int) -> dict[str, Any]:
     calls: dict[str, int] = {}
     for evt in prof.key_averages():
         t = getattr(evt, "self_device_time_total", 0.0) or 0.0
+        if evt.key.startswith("nccl:"):
+            continue  # the profiler's range around an eager NCCL call, not a kernel (its kernel is counted)
         if t > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
             kernels[evt.key] = kernels.get(evt.key, 0.0) + t / 1e6
             calls[evt.key] = calls.get(evt.key, 0) + evt.count

@@ -1,7 +1,7 @@
 """Tensor parallelism: TP=2 beside TP=1 on the same model, in one process and one run (two GPUs).
 
     tinypaged weights random --config llama-3.1-8b --out /tmp/m8b
-    python3 benchmarks/tensor_parallel.py --model /tmp/m8b --fault --out benchmarks/results/tensor-parallel-h200x2.json
+    python3 benchmarks/tensor_parallel.py --model /tmp/m8b --out benchmarks/results/tensor-parallel-h200x2.json
 
 For each size, one engine (the same arguments as benchmarks/throughput.py's) measures, in this order:
 - numerics: the logits of prompts of several lengths each followed by TP=1's greedy continuation, as the
@@ -14,8 +14,8 @@ For each size, one engine (the same arguments as benchmarks/throughput.py's) mea
   the TTFT of a 1024-token prompt;
 - torch.profiler over 32 batch-1 decode steps and over a mixed and a decode window of W1: GPU kernel time by
   class, the all-reduces' (NCCL) share of the step among them. The profile is rank 0's; the ranks are symmetric.
-With `--fault`, last: TP=2's worker is killed during a generation, and the time until the engine raises
-EngineDeadError, its message and the GPUs' memory after shutdown are recorded.
+With `--fault kill|stop`, last: TP=2's worker is killed (or frozen) during a generation, and the time until the
+engine raises EngineDeadError, its message, the shutdown's time and the GPUs' memory after it are recorded.
 
 A table is printed last; the JSON (every figure, written after each part) goes to --out.
 """
@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import shutil
 import signal
+import subprocess
 import time
 import traceback
 from dataclasses import asdict
@@ -105,15 +107,17 @@ def compare(one: dict[str, Any], two: dict[str, Any], prompts: list[list[int]]) 
     }
 
 
-def fault(llm: LLM) -> dict[str, Any]:
-    """Kill rank 1 mid-generation: how long until the engine raises, what it says, and memory after shutdown."""
+def fault(llm: LLM, how: str) -> dict[str, Any]:
+    """Kill rank 1 (`how` "kill": SIGKILL) or freeze it ("stop": SIGSTOP, found by its silent heartbeat) while
+    a request decodes: how long until the engine raises, what it says, how long shutdown takes, and the GPUs'
+    memory after it (nvidia-smi's view: every process)."""
     engine, executor = llm.engine, llm.engine.executor
-    engine.add_request("fault", {"prompt_token_ids": list(range(100, 612))}, greedy(2000))
+    engine.add_request("fault", {"prompt_token_ids": list(range(100, 612))}, greedy(100000))
     for _ in range(20):
         engine.step()
     t0 = time.perf_counter()
-    os.kill(executor.worker_pids[1], signal.SIGKILL)
-    out: dict[str, Any] = {}
+    os.kill(executor.worker_pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    out: dict[str, Any] = {"how": how}
     try:
         while engine.has_unfinished_requests():
             engine.step()
@@ -124,10 +128,11 @@ def fault(llm: LLM) -> dict[str, Any]:
     t1 = time.perf_counter()
     llm.shutdown()
     out["shutdown_s"] = time.perf_counter() - t1
-    out["gpu_used_gib_after_shutdown"] = [
-        (total - free) / GiB
-        for free, total in (torch.cuda.mem_get_info(d) for d in range(torch.cuda.device_count()))
-    ]
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        out["gpu_used_mib_after_shutdown"] = [
+            int(x) for x in subprocess.check_output(query, text=True).split()
+        ]
     return out
 
 
@@ -147,7 +152,9 @@ def print_table(res: dict[str, Any]) -> None:
                 vals.append(None)
         cells = [fmt.format(v) if isinstance(v, float | int) else "-" for v in vals]
         ratio = (
-            f"{vals[-1] / vals[0]:.2f}x" if len(vals) > 1 and all(isinstance(v, float) for v in vals) else ""
+            f"{vals[-1] / vals[0]:.2f}x"
+            if len(vals) > 1 and all(isinstance(v, float) for v in vals) and vals[0]
+            else ""
         )
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
 
@@ -203,9 +210,9 @@ def print_table(res: dict[str, Any]) -> None:
     f = res.get("fault")
     if isinstance(f, dict) and "error" in f:
         lines.append(
-            f"fault: worker killed -> EngineDeadError after {f.get('raised_after_s', float('nan')):.2f} s "
+            f"fault ({f.get('how')} rank 1): EngineDeadError after {f.get('raised_after_s', float('nan')):.2f} s "
             f"({f['error']}); shutdown {f.get('shutdown_s', float('nan')):.2f} s; GPU memory used after: "
-            + ", ".join(f"{g:.2f} GiB" for g in f.get("gpu_used_gib_after_shutdown", []))
+            f"{f.get('gpu_used_mib_after_shutdown')} MiB"
         )
     print("\n".join(lines), flush=True)
 
@@ -290,7 +297,7 @@ class Run:
             self.section(res, "compare", lambda: compare(first, self.kept[tp], self.prompts))
         if args.fault and tp == args.sizes[-1] and tp > 1:
             print_table(res)
-            self.section(res, "fault", lambda: fault(llm))
+            self.section(res, "fault", lambda: fault(llm, args.fault))
         else:
             llm.shutdown()
 
@@ -311,7 +318,12 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--skip", nargs="*", default=[], choices=["w1", "latency", "profile"])
-    ap.add_argument("--fault", action="store_true", help="kill the largest size's worker 1 at the end")
+    ap.add_argument(
+        "--fault",
+        choices=["kill", "stop"],
+        default=None,
+        help="kill or freeze the last size's worker 1 at the end",
+    )
     ap.add_argument(
         "--deadline-s", type=float, default=0, help="dump stacks and exit after this long (0: never)"
     )

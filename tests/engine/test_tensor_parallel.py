@@ -2,7 +2,7 @@
 outputs of one rank, with preemption by swap and by recompute, n > 1, beam search, logprobs and prefix caching;
 rank 2 joins as a worker of another node would (`tinypaged worker` through MASTER_ADDR/MASTER_PORT); a worker
 that hangs fails the engine within seconds. (The server over a tensor-parallel engine, prompt logprobs, and a
-worker killed under it: tests/server/test_tensor_parallel.py.)"""
+worker killed under it: tests/server/test_tp_server.py.)"""
 
 from __future__ import annotations
 

@@ -67,6 +67,7 @@ class Executor:
         self._lock = threading.Lock()
         self._closed = False
         self._listeners: list[Callable[[str], None]] = []
+        self._aborted: threading.Thread | None = None  # the NCCL abort after a failure
         self._device = torch.device("cpu")
         if self.size == 1:
             self.runner = ModelRunner(config)
@@ -198,12 +199,24 @@ class Executor:
         logger.error("tensor-parallel group failed: %s", message)
         _kill(list(self._procs.values()))
         if self._group is not None and self._device.type == "cuda":
-            try:
-                self._group.tp.group.abort()  # NCCL kernels waiting for a lost rank return
-            except Exception:  # noqa: BLE001 - best effort: the workers are gone either way
-                logger.exception("aborting the NCCL communicators")
+            # NCCL kernels waiting for a lost rank return once the communicators are aborted. The abort gets a
+            # thread of its own: it may take its time (or never end), and nothing else may wait for it.
+            self._aborted = threading.Thread(
+                target=self._abort_nccl, name="tinypaged-nccl-abort", daemon=True
+            )
+            self._aborted.start()
         for listener in listeners:
             listener(message)
+
+    def _abort_nccl(self) -> None:
+        assert self._group is not None
+        t0 = time.monotonic()
+        try:
+            self._group.tp.group.abort()
+        except Exception:  # noqa: BLE001 - best effort: the workers are gone either way
+            logger.exception("aborting the NCCL communicators")
+            return
+        logger.warning("NCCL communicators aborted in %.1f s", time.monotonic() - t0)
 
     def _fatal(self, error: BaseException) -> EngineDeadError:
         """A step or start-up that raised on rank 0: the ranks are out of step. Give the monitor a moment to
@@ -225,11 +238,18 @@ class Executor:
         self._closed = True
         if self.size > 1:
             self._stop_workers()
+        if self._aborted is not None:
+            self._aborted.join(_STOP_WAIT_S)
+            if self._aborted.is_alive():
+                # Rank 0's device may still run a collective that waits for the lost rank: any call that waits
+                # for the device would hang. Its memory goes with the process.
+                logger.error("NCCL's abort has not returned: rank 0's device memory is freed at exit")
+                return
         if hasattr(self, "runner"):
             self.runner.release()
         if self._group is not None and (self._failure is None or self._device.type != "cuda"):
-            # (After a failure NCCL's communicators are aborted, and destroying them could wait for collectives
-            # that never end: they go with the process.)
+            # (After a failure on CUDA the group is not destroyed: that could wait for collectives that never end.
+            # It goes with the process, which cannot form another group.)
             self._group.leave()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
@@ -281,7 +301,7 @@ class _Monitor:
     def stop(self) -> None:
         """Stop watching (before a deliberate shutdown)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_STOP_WAIT_S)
 
     def _run(self) -> None:
         store = self._rendezvous.store(is_master=False)
