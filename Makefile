@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup weights serve generate test lint clean
+.PHONY: setup weights serve generate test lint loadtest clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ generate: setup weights
 test: setup weights
 	$(VENV)/bin/pytest -q --durations=15 tests --ignore=tests/kernels
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=5 tests/kernels
+
+# A short headless locust run (both user classes, 30 s) against a local server on the default model.
+loadtest: setup weights
+	$(PY) loadtest/local_server.py --max-model-len 1024 -- $(VENV)/bin/locust -f loadtest/locustfile.py \
+		--headless --users 4 --spawn-rate 4 --run-time 30s --only-summary --prompt-len 16-128 --output-len 16-64
 
 lint: setup
 	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks loadtest

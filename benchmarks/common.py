@@ -14,6 +14,7 @@ import gc
 import json
 import statistics
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -512,3 +513,16 @@ def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def section(res: dict[str, Any], name: str, fn: Any, out: str | Path | None = None) -> Any:
+    """Run one part of a benchmark into `res[name]`: a failure is recorded and printed and the other parts
+    still run; the results so far are written to `out` after each part."""
+    try:
+        res[name] = fn()
+    except Exception as e:
+        traceback.print_exc()
+        res[name] = {"error": f"{type(e).__name__}: {e}"}
+    if out:
+        write_json(out, res)
+    return res[name]

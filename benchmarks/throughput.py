@@ -51,7 +51,9 @@ from common import (
     step_weight_bytes,
     summarize_steps,
     sync_device,
-    write_json,
+)
+from common import (
+    section as run_section,
 )
 
 from tinypaged import LLM
@@ -395,15 +397,7 @@ def main() -> None:
     res["roofline"] = roofline(cfg, work)
 
     def section(name: str, fn: Any) -> Any:
-        """Run one part; a failure is recorded and printed, and the other parts still run."""
-        try:
-            res[name] = fn()
-        except Exception as e:
-            traceback.print_exc()
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
-        if args.out:
-            write_json(args.out, res)
-        return res[name]
+        return run_section(res, name, fn, args.out)
 
     state: dict[str, Any] = {}
     if args.check:

@@ -5,12 +5,14 @@ from .attention import paged_attention
 from .cache import copy_blocks, write_kv
 from .norm import rms_norm
 from .rotary import rotary_embedding
+from .sampling import sample
 
 __all__ = [
     "copy_blocks",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "sample",
     "silu_and_mul",
     "write_kv",
 ]

@@ -168,3 +168,14 @@ def test_worker_needs_the_rendezvous(capsys, monkeypatch) -> None:
     monkeypatch.delenv("MASTER_PORT", raising=False)
     code, out, err = _run(capsys, "worker", "--rank", "1")
     assert code == 2 and err == "error: set MASTER_ADDR and MASTER_PORT to rank 0's\n"
+
+
+def test_api_key_from_the_environment(monkeypatch) -> None:
+    """`serve` takes its key from $TINYPAGED_API_KEY (kept out of the process list); a flag overrides it."""
+    from tinypaged.cli import build_parser
+
+    monkeypatch.delenv("TINYPAGED_API_KEY", raising=False)
+    assert build_parser().parse_args(["serve"]).api_key is None
+    monkeypatch.setenv("TINYPAGED_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"

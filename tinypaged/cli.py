@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -109,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the URL is printed)")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the API routes")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("TINYPAGED_API_KEY") or None,
+        help="require `Authorization: Bearer KEY` on the API routes (default: $TINYPAGED_API_KEY, which keeps the key "
+        "out of the process list)",
+    )
     srv.add_argument("--served-model-name", default=None, help="its name in the API (default: dir name)")
     srv.add_argument(
         "--max-queue-len",

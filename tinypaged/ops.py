@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,100 @@ def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 
+# Sampling: a row's draw is a pure function of its logits, its parameters and its 64-bit key (no RNG state), so a
+# seeded request repeats whatever else is in the batch. The kernel and this reference run the same algorithm.
+SAMPLE_MAX_ROUNDS = (
+    256  # top-p rejection rounds before the best candidate is taken (never reached in practice)
+)
+_M32 = 0xFFFFFFFF
+_GOLD32 = 0x9E3779B9
+
+
+class SampleParams(NamedTuple):
+    """Per-row sampling parameters, `[N]` tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float32; 0: not sampled (the caller takes the argmax)
+    top_k: torch.Tensor  # int; 0, or at least the vocabulary: off
+    top_p: torch.Tensor  # float32; 1: off
+    min_p: torch.Tensor  # float32; 0: off
+    keys: torch.Tensor  # int64 >= 0: the row's random key (the draw is a function of it)
+
+
+def _h32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def sample_uniform(keys: torch.Tensor, rnd: int) -> torch.Tensor:
+    """U(0, 1) per row key for rejection round `rnd` (float32, 24 bits, never 0 or 1)."""
+    lo, hi = keys & _M32, (keys >> 32) & _M32
+    h = _h32(lo ^ _h32((hi + rnd * _GOLD32) & _M32))
+    return ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
+
+
+def ref_sample(logits: torch.Tensor, params: SampleParams) -> torch.Tensor:
+    """One token per row of `logits` `[N, V]`, drawn from softmax(logits / temperature) restricted by top-k,
+    then top-p over the renormalised top-k (ties at a threshold kept), and min-p; rows with temperature 0 are
+    not sampled (their entry is 0: the caller takes the argmax).
+
+    Sort-free: an inverse-CDF draw (one uniform from the row's key) among the tokens that top-k and min-p keep
+    (top-k's threshold found by bisection in the kernel, by a sort here); top-p is then checked with one pass,
+    the mass of the tokens more likely than the pick. A pick outside the nucleus is rejected and the draw
+    repeated among the tokens more likely than it, with a new uniform: rejection sampling, exact, and one
+    round with probability >= top_p.
+    """
+    n, vocab = logits.shape
+    temperature, top_k, top_p, min_p, keys = params
+    out = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    rows = (temperature > 0).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return out
+    z = logits[rows].float() * (1.0 / temperature[rows].float())[:, None]  # as the kernel: times 1 / t
+    m = z.amax(dim=-1, keepdim=True)
+    e = torch.where(z == float("-inf"), 0.0, torch.exp(z - m))
+    k = top_k[rows].long()
+    inf = torch.full_like(m[:, 0], float("-inf"))
+    k_on = (k > 0) & (k < vocab)
+    tau_k = inf
+    if bool(k_on.any()):
+        top = z.topk(int(k[k_on].max()), dim=-1).values
+        tau_k = torch.where(k_on, top.gather(1, (k.clamp(1, top.shape[-1]) - 1)[:, None])[:, 0], inf)
+    mp = min_p[rows].float()
+    floor = torch.maximum(torch.where(mp > 0, m[:, 0] + torch.log(mp.clamp(min=1e-30)), inf), tau_k)
+    mass_k = (e * (z >= tau_k[:, None])).sum(dim=-1)
+    p = top_p[rows].float()
+    key = keys[rows]
+    best = torch.zeros(len(rows), dtype=torch.int64, device=z.device)
+    pivot = inf.clone()
+    act = torch.arange(len(rows), device=z.device)  # rows still drawing
+    for rnd in range(SAMPLE_MAX_ROUNDS):
+        za, ea = z[act], e[act]
+        w = torch.where((za >= floor[act, None]) & (za > pivot[act, None]), ea, 0.0)
+        cdf = w.cumsum(dim=-1)
+        count = (cdf < (sample_uniform(key[act], rnd) * cdf[:, -1])[:, None]).sum(dim=-1)
+        if bool((count >= vocab).any()):  # past the end only by rounding: the last candidate
+            cols = torch.arange(vocab, device=z.device)
+            count = torch.where(count < vocab, count, torch.where(w > 0, cols, 0).amax(dim=-1))
+        found = cdf[:, -1] > 0
+        best[act] = torch.where(found, count, best[act])
+        check = (found & (p[act] < 1.0)).nonzero()[:, 0]
+        if check.numel() == 0 or rnd == SAMPLE_MAX_ROUNDS - 1:
+            break
+        z_pick = za[check].gather(1, count[check, None])
+        above = (ea[check] * (za[check] > z_pick)).sum(dim=-1)
+        reject = above >= p[act[check]] * mass_k[act[check]]  # the pick is outside the nucleus
+        if not bool(reject.any()):
+            break
+        act = act[check[reject]]
+        pivot[act] = z_pick[reject, 0]
+    out[rows] = best
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The facade the model and runner call.
 # ---------------------------------------------------------------------------------------------------------
@@ -266,3 +361,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return kernel(x)
     return ref_silu_and_mul(x)
+
+
+def sample(logits: torch.Tensor, params: SampleParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p sampling without sorting, one token per row (see `ref_sample`)."""
+    if uses_triton(logits):
+        from tinypaged.kernels import sample as kernel
+
+        return kernel(logits, params, SAMPLE_MAX_ROUNDS)
+    return ref_sample(logits, params)

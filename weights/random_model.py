@@ -77,6 +77,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 SHARD_BYTES = 5 * 1024**3  # as HF writes them: at most ~5 GB per file
 WEIGHT_STD = 0.02
 
@@ -214,6 +218,8 @@ def _synthetic_tokenizer(cfg: dict[str, Any], out: Path) -> None:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": specials[cfg["bos_token_id"]],
             "eos_token": specials[cfg["eos_token_id"]],
+            # A plain role-tagged template, so that random models serve the chat API too (load tests).
+            "chat_template": _CHAT_TEMPLATE,
         },
     )
 

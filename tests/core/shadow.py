@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.kv_cache_manager import CacheSnapshot, KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceStatus
 
@@ -117,3 +117,23 @@ def run_step(sched: Scheduler, shadow: ShadowCache, next_token: int = 7) -> Sche
             seq.append_token(next_token)
     kv.check_integrity(waiting_seq_ids=[seq.seq_id for group in sched.waiting for seq in group.seqs])
     return out
+
+
+def check_snapshot(kv: KVCacheManager, snap: CacheSnapshot, request_ids: Mapping[int, str]) -> None:
+    """A snapshot agrees with the block tables as check_integrity reads them: per pool, each block's ref count
+    is the number of tables holding it, its holders are the requests of those tables (each once), and the
+    cached blocks are those with a prefix-cache identity. `request_ids`: seq id -> request id, for every seq."""
+    assert snap.block_size == kv.block_size
+    for on_cpu, pool, view in ((False, kv.gpu_pool, snap.gpu), (True, kv.cpu_pool, snap.cpu)):
+        refs = [0] * pool.num_blocks
+        holders: dict[int, set[str]] = {}
+        for seq_id, request_id in request_ids.items():
+            if kv.is_swapped(seq_id) != on_cpu:
+                continue
+            for block_id in kv.get_block_table(seq_id):
+                refs[block_id] += 1
+                holders.setdefault(block_id, set()).add(request_id)
+        assert view.ref_counts == tuple(refs) == tuple(pool.ref_count(b) for b in range(pool.num_blocks))
+        assert {b: set(h) for b, h in view.holders.items()} == holders
+        assert all(len(set(h)) == len(h) for h in view.holders.values()), "a request named twice"
+        assert view.cached == {b.block_id for b in pool.blocks if b.block_hash is not None}

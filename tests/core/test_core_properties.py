@@ -16,7 +16,7 @@ from tinypaged.core.kv_cache_manager import KVCacheManager, PrefixHit
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-from .shadow import ShadowCache, manager_state, run_step
+from .shadow import ShadowCache, check_snapshot, manager_state, run_step
 
 BS = 2
 SMALL = settings(
@@ -184,6 +184,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for group in self.groups.values():
             for seq in group.seqs:
                 self.shadow.check_seq(self.kv, seq)
+        request_ids = {s.seq_id: g.request_id for g in self.groups.values() for s in g.seqs}
+        check_snapshot(self.kv, self.kv.snapshot(request_ids), request_ids)
 
     def teardown(self) -> None:
         for group in self.groups.values():
@@ -281,6 +283,8 @@ def test_scheduler_simulation(
                 shadow.check_seq(kv, seq)
         for group in sched.swapped:
             assert all(s.status == SequenceStatus.SWAPPED for s in group.unfinished_seqs())
+        queued = sched.running + sched.swapped + sched.waiting
+        check_snapshot(kv, sched.cache_snapshot(), {s.seq_id: g.request_id for g in queued for s in g.seqs})
         if added == num_requests and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "requests stalled"

@@ -6,7 +6,7 @@ from tinypaged.core.block_pool import BlockHash, hash_block_tokens
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.sequence import Sequence, SequenceGroup
 
-from .shadow import ShadowCache, manager_state
+from .shadow import ShadowCache, check_snapshot, manager_state
 
 
 def make(num_gpu: int = 8, num_cpu: int = 8, bs: int = 4, **kw: object) -> KVCacheManager:
@@ -126,6 +126,59 @@ def test_swap_out_and_in_keeps_sharing_and_copies_each_block_once() -> None:
     for s in (parent, child):
         shadow.check_seq(kv, s)
     kv.check_integrity()
+
+
+def test_snapshot_names_holders_and_ref_counts_through_fork_cow_prefix_hit_and_swap() -> None:
+    kv = make(num_gpu=8, num_cpu=8, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    owners = {0: "a", 1: "a", 2: "b"}
+    a = Sequence(0, [1, 2, 3, 4, 5, 6])
+    compute(kv, shadow, a, 6)
+    full, partial = kv.get_block_table(0)
+    before = manager_state(kv, owners)
+    snap = kv.snapshot(owners)
+    assert manager_state(kv, owners) == before, "a snapshot only reads"
+    check_snapshot(kv, snap, owners)
+    assert snap.gpu.holders == {full: ("a",), partial: ("a",)} and snap.gpu.cached == {full}
+    assert snap.gpu.ref_counts[full] == snap.gpu.ref_counts[partial] == 1
+
+    child = a.fork(1)  # n = 2: the sample shares every block, one request holds them twice
+    kv.fork(0, 1)
+    snap = kv.snapshot(owners)
+    assert snap.gpu.holders == {full: ("a",), partial: ("a",)}
+    assert snap.gpu.ref_counts[full] == snap.gpu.ref_counts[partial] == 2
+    child.append_token(9)
+    (src, copy), *_ = compute(kv, shadow, child, 1)  # copy-on-write of the shared partial block
+    snap = kv.snapshot(owners)
+    check_snapshot(kv, snap, owners)
+    assert src == partial and snap.gpu.ref_counts[partial] == 1 and snap.gpu.ref_counts[copy] == 1
+    assert snap.gpu.holders[copy] == ("a",) and snap.gpu.ref_counts[full] == 2
+
+    b = Sequence(2, [1, 2, 3, 4, 7, 7])  # another request whose prompt starts with the cached block
+    assert admit(kv, b) == 4
+    compute(kv, shadow, b, 2)
+    snap = kv.snapshot(owners)
+    check_snapshot(kv, snap, owners)
+    assert snap.gpu.holders[full] == ("a", "b") and snap.gpu.ref_counts[full] == 3
+
+    out = kv.swap_out(SequenceGroup("a", [a, child], 0.0))
+    snap = kv.snapshot(owners)
+    check_snapshot(kv, snap, owners)
+    assert snap.gpu.holders[full] == ("b",) and snap.gpu.ref_counts[full] == 1 and full in snap.gpu.cached
+    assert sorted(snap.cpu.holders) == sorted(c for _, c in out) and len(out) == 3
+    assert set(snap.cpu.holders.values()) == {("a",)} and sorted(snap.cpu.ref_counts, reverse=True)[:3] == [
+        2,
+        1,
+        1,
+    ]
+    assert not snap.cpu.cached
+
+    for seq_id in owners:
+        kv.free(seq_id)
+    snap = kv.snapshot(owners)
+    check_snapshot(kv, snap, owners)
+    assert not snap.gpu.holders and not snap.cpu.holders and set(snap.gpu.ref_counts) == {0}
+    assert full in snap.gpu.cached  # free, its content kept until evicted
 
 
 def test_swap_needs_room() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 
 import pytest
 import uvloop
@@ -161,3 +162,68 @@ def test_slow_consumer_gets_merged_outputs(aengine: AsyncEngine, llm: LLM) -> No
         assert after.outputs[0].text.startswith(before.outputs[0].text)
         assert len(after.outputs[0].token_ids) > len(before.outputs[0].token_ids)
     _clean(aengine)
+
+
+def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
+    aengine: AsyncEngine, monkeypatch
+) -> None:
+    """Snapshots are taken by the loop task, never while a step runs in the worker thread; viewers asking
+    together share one; a viewer gone takes nothing; a failing one fails its viewer only; after shutdown a
+    snapshot is an EngineError."""
+    engine = aengine.engine
+    in_step = threading.Event()
+    taken = []
+    broken = [True]  # the first snapshot fails
+    real_step, real_snapshot = engine.step, engine.snapshot
+
+    def step():  # noqa: ANN202
+        in_step.set()
+        try:
+            return real_step()
+        finally:
+            in_step.clear()
+
+    def snapshot():  # noqa: ANN202
+        assert not in_step.is_set(), "a snapshot taken while a step runs"
+        if broken:
+            broken.pop()
+            raise RuntimeError("broken view")
+        taken.append(real_snapshot())
+        return taken[-1]
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "snapshot", snapshot)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    async def main(seen: list) -> None:
+        with pytest.raises(RuntimeError, match="broken view"):
+            await aengine.snapshot()
+        assert aengine.is_running  # a failed snapshot is its viewer's: the loop goes on
+        idle = await aengine.snapshot()
+        assert not idle.cache.gpu.holders and idle.stats.num_free_gpu_blocks == idle.stats.num_gpu_blocks
+        run = asyncio.create_task(_drain(aengine.generate("A story about blocks", params, "viewed")))
+        while not run.done():
+            first, second = await asyncio.gather(aengine.snapshot(), aengine.snapshot())
+            assert first is second  # asked together: one snapshot
+            seen.append(first)
+            gone = asyncio.create_task(aengine.snapshot())
+            await asyncio.sleep(0)
+            gone.cancel()  # its viewer left before the loop got to it
+        await run
+        busy = [s for s in seen if s.cache.gpu.holders]
+        assert busy and all(set(s.cache.gpu.holders.values()) == {("viewed",)} for s in busy)
+        for s in seen:  # the cache and the stats of one moment
+            assert s.cache.gpu.ref_counts.count(0) == s.stats.num_free_gpu_blocks
+        await aengine.shutdown()
+        with pytest.raises(EngineError):
+            await aengine.snapshot()
+
+    seen: list = []
+    uvloop.run(main(seen))
+    assert len(taken) == 1 + len(seen)  # the idle one, one per pair; a viewer gone costs none
+    _clean(aengine)
+
+
+async def _drain(stream) -> None:  # noqa: ANN001
+    async for _ in stream:
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tinypaged import ops
 from tinypaged.core.sequence import Sequence
 from tinypaged.engine.output_processor import check_stop, visible_text
 from tinypaged.engine.request import SeqState
@@ -55,31 +56,74 @@ def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return out / out.sum()
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(top_k=3),
-        dict(top_p=0.6),
-        dict(top_k=5, top_p=0.7),
-        dict(min_p=0.3),
-        dict(temperature=0.5, top_k=4, top_p=0.9, min_p=0.05),
-    ],
-)
-def test_filters_match_reference(kw: dict) -> None:
-    logits = torch.tensor([[1.0, 2.5, 0.3, 2.0, -1.0, 1.7, 0.9, 2.2]])
+# (params, logits scale): peaked and flat distributions, each filter alone and together.
+DIST_CASES = [
+    (dict(temperature=1.0), 1.0),
+    (dict(top_k=3), 1.0),
+    (dict(top_p=0.6), 1.0),
+    (dict(top_p=0.95, temperature=0.8), 0.1),
+    (dict(top_k=5, top_p=0.7), 1.0),
+    (dict(min_p=0.3), 1.0),
+    (dict(top_k=6, min_p=0.05), 3.0),
+    (dict(temperature=0.5, top_k=4, top_p=0.9, min_p=0.05), 1.0),
+    (dict(top_p=0.05), 0.01),  # a near-flat row whose nucleus is one token: many rejection rounds
+]
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # chi-square, p = 0.001
+
+
+def draw(logits: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    """`n` draws from one row of logits under `p`, each with its own key."""
+    keys = torch.randint(0, 1 << 62, (n,), generator=torch.Generator().manual_seed(seed))
+
+    def full(v: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((n,), v, dtype=dtype)
+
+    top_k = p.top_k if p.top_k < logits.shape[-1] else 0
+    params = ops.SampleParams(
+        full(p.temperature), full(top_k, torch.int64), full(p.top_p), full(p.min_p), keys
+    )
+    return ops.ref_sample(logits.repeat(n, 1), params)
+
+
+@pytest.mark.parametrize("kw,scale", DIST_CASES)
+def test_sampling_follows_the_exact_distribution(kw: dict, scale: float) -> None:
+    """Chi-square of 20,000 draws against HF's filtered distribution (computed by sorting, independently):
+    tokens outside the kept set never come, the kept ones as often as their probability says."""
+    logits = torch.tensor([1.0, 2.5, 0.3, 2.0, -1.0, 1.7, 0.9, 2.2]) * scale
     p = SamplingParams(**kw)
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    got = Sampler.filter_probs(probs, [p])[0]
-    torch.testing.assert_close(got / got.sum(), _reference_probs(logits[0], p))
+    n = 20_000
+    counts = torch.bincount(draw(logits, p, n), minlength=V).double()
+    want = _reference_probs(logits, p).double()
+    assert counts[want == 0].sum() == 0, (counts, want)
+    kept = want > 0
+    expected = want[kept] * n
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    df = int(kept.sum()) - 1
+    assert df == 0 or chi2 < CHI2_999[df], (chi2, df, counts, want)
 
 
-def test_sampling_frequencies_follow_filtered_distribution() -> None:
-    torch.manual_seed(0)
-    logits = torch.tensor([1.0, 2.5, 0.3, 2.0, -1.0, 1.7, 0.9, 2.2]).repeat(20000, 1)
-    p = dict(temperature=0.8, top_k=5, top_p=0.9)
-    out = Sampler()(logits, [_row(**p) for _ in range(logits.shape[0])])
-    freq = torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / logits.shape[0]
-    torch.testing.assert_close(freq, _reference_probs(logits[0], SamplingParams(**p)), atol=0.015, rtol=0)
+def test_flat_distribution_top_p_keeps_the_nucleus() -> None:
+    """A flat row of 3,000 tokens (top-p's nucleus is most of the vocabulary, where a candidate cap or a sort
+    would be the cost): every draw in the nucleus, and the nucleus's likelier half drawn as often as its mass."""
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(0)) * 0.1
+    p = SamplingParams(top_p=0.9)
+    probs = torch.softmax(logits.double(), dim=-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    nucleus = order[before < 0.9]
+    got = draw(logits, p, 20_000)
+    assert torch.isin(got, nucleus).all()
+    half = nucleus[: len(nucleus) // 2]
+    share = probs[half].sum() / probs[nucleus].sum()
+    seen = torch.isin(got, half).double().mean()
+    assert abs(seen - share) < 4 * (share * (1 - share) / 20_000) ** 0.5, (seen, share)
+
+
+def test_mixed_batch_greedy_rows_take_the_argmax() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    rows = [_row(temperature=0.0), _row(temperature=0.9, top_p=0.8)] * 3
+    out = Sampler()(logits, rows).token_ids
+    assert out[0::2] == logits[0::2].argmax(dim=-1).tolist()
 
 
 def test_greedy_banned_and_logprobs() -> None:
@@ -188,17 +232,3 @@ def test_partial_stop_prefix_is_released_when_it_does_not_match(tok: Tokenizer) 
     assert "world" not in shown[1] or shown[-1].endswith("there")
     assert any(s.endswith("Hello") for s in shown)  # " world" was held back while it could start the stop
     assert shown[-1] == state.text == "Hello world, hello there"
-
-
-def test_top_p_past_the_candidate_cap_sorts_in_full() -> None:
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 3000, generator=gen) * torch.tensor([[0.1], [5.0], [0.1]])  # flat, peaked, flat
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=2000)]
-    probs = torch.softmax(logits, dim=-1)
-    got = Sampler.filter_probs(probs, params)
-    for i, p in enumerate(params):
-        ref = probs[i].sort(descending=True).values
-        ref = ref[: p.top_k or len(ref)]
-        before = (ref.cumsum(0) - ref) / ref.sum()
-        keep = int((before < p.top_p).sum())
-        assert int((got[i] > 0).sum()) == keep, i

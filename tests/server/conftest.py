@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class LiveServer:
             raise RuntimeError("the test server did not start")
         self.serving = self.runner.app[SERVING]
         self.model = self.serving.model_name
+        self.api_key = config.api_key
         self.auth = {"Authorization": f"Bearer {config.api_key}"}
 
     def _run(self, config: ServerConfig) -> None:
@@ -120,6 +121,24 @@ def tp_server(model_dir: Path) -> Iterator[LiveServer]:
 def tp_raw(tp_server: LiveServer) -> Iterator[Raw]:
     """Raw requests to the tensor-parallel server."""
     yield Raw(tp_server.url)
+
+
+@pytest.fixture
+def make_server(model_dir: Path) -> Iterator[Callable[..., LiveServer]]:
+    """`make_server(api_key=None, **engine_args)`: another server on the default model (e.g. with a small KV
+    cache), closed after the test."""
+    started: list[LiveServer] = []
+
+    def make(api_key: str | None = None, **engine_args: Any) -> LiveServer:
+        config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, **engine_args)
+        started.append(
+            LiveServer(AsyncEngine(config), ServerConfig(port=0, api_key=api_key, shutdown_timeout=5.0))
+        )
+        return started[-1]
+
+    yield make
+    for live in started:
+        live.close()
 
 
 @pytest.fixture

@@ -159,7 +159,16 @@ CASES = [
         {},
         False,
     ),
-    ("chat-missing-role", "POST", CHAT, chat(messages=[{"content": "hi"}]), 400, ANY, {}, False),
+    (
+        "chat-missing-role",
+        "POST",
+        CHAT,
+        chat(messages=[{"content": "hi"}]),
+        400,
+        "messages[0].role",
+        {},
+        False,
+    ),
     (
         "chat-content-wrong-type",
         "POST",
@@ -178,7 +187,7 @@ CASES = [
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
         ),
         400,
-        ANY,
+        "messages[0].content[0].type",
         {},
         False,
     ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -157,6 +158,13 @@ def test_metrics_move_while_requests_run(server) -> None:
     after = _scrape(server.url)
     assert _value(after, "tinypaged:num_requests_running") == 0
     assert _value(after, "tinypaged:gpu_cache_usage_perc") == 0
+    stats = server.call(server.engine.stats)
+    assert _value(after, "tinypaged:num_gpu_blocks") == stats.num_gpu_blocks > 0
+    assert _value(after, "tinypaged:num_free_gpu_blocks") == stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    # The server's own RSS (it runs in this test process): a model's worth of memory, read fresh each scrape.
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert 0.5 * rss < _value(after, "process_resident_memory_bytes") < 2 * rss
     gen = _value(after, "tinypaged:generation_tokens", "_total") - _value(
         before, "tinypaged:generation_tokens", "_total"
     )

@@ -35,6 +35,16 @@ class PhysicalBlock:
     token_ids: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """A block pool as it stood between two steps: each physical block's ref count, the blocks the prefix cache
+    maps, and the requests whose block tables hold each held block. Ids and counts only, never tokens."""
+
+    ref_counts: tuple[int, ...]  # per block id
+    cached: frozenset[int]  # block ids in the prefix-cache map: held, or free until evicted
+    holders: Mapping[int, tuple[str, ...]]  # held block id -> the request ids holding it, each once
+
+
 class BlockPool:
     """A fixed set of physical blocks with ref counts, a free queue, and an optional prefix cache."""
 
@@ -68,6 +78,12 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold this block."""
         return self.blocks[block_id].ref_count
+
+    def snapshot(self, holders: Mapping[int, tuple[str, ...]]) -> PoolSnapshot:
+        """This pool's ref counts and cached blocks now, with `holders` (held block -> request ids)."""
+        return PoolSnapshot(
+            tuple(b.ref_count for b in self.blocks), frozenset(self._cached.values()), holders
+        )
 
     def allocate(self) -> int:
         """Take a free block (evicting its cached content if it had any) with ref_count 1."""

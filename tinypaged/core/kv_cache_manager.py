@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from tinypaged.core.block_pool import BlockHash, BlockPool, HashFn, hash_block_tokens
+from tinypaged.core.block_pool import BlockHash, BlockPool, HashFn, PoolSnapshot, hash_block_tokens
 from tinypaged.core.sequence import Sequence, SequenceGroup
 
 
@@ -25,6 +25,16 @@ class PrefixHit:
 
 
 _NO_HIT = PrefixHit((), (), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """Both block pools as they stood between two steps (`KVCacheManager.snapshot`): plain data to draw the cache
+    from, holding request ids and counts only."""
+
+    block_size: int
+    gpu: PoolSnapshot
+    cpu: PoolSnapshot  # the swap pool: swapped-out groups hold its blocks
 
 
 class KVCacheManager:
@@ -122,6 +132,21 @@ class KVCacheManager:
                     local_refs[table[i]] = refs - 1
             need += max(0, cdiv(end, self.block_size) - len(table))
         return need
+
+    def snapshot(self, request_ids: Mapping[int, str]) -> CacheSnapshot:
+        """Both pools' ref counts, cached blocks and holders, by request id (`request_ids`: seq id -> its
+        request's id, for every sequence holding a block table). Reads only; call it between steps."""
+        gpu: dict[int, tuple[str, ...]] = {}
+        cpu: dict[int, tuple[str, ...]] = {}
+        for seq_id, table in self._tables.items():
+            holders = cpu if seq_id in self._on_cpu else gpu
+            request_id = request_ids[seq_id]
+            for block_id in table:
+                held = holders.get(block_id, ())
+                # The sequences of one request share blocks (fork): name the request once.
+                if request_id not in held:
+                    holders[block_id] = (*held, request_id)
+        return CacheSnapshot(self.block_size, self.gpu_pool.snapshot(gpu), self.cpu_pool.snapshot(cpu))
 
     # ---- allocation ----------------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:

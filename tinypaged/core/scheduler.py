@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tinypaged.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from tinypaged.core.kv_cache_manager import CacheSnapshot, KVCacheManager, PrefixHit, cdiv
 from tinypaged.core.schedule_types import PreemptionMode, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -119,6 +119,10 @@ class Scheduler:
         if all(s is not child for s in group.seqs):
             group.seqs.append(child)
         self._seqs[child.seq_id] = (child, group)
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        """The KV cache's pools with each held block's request ids (`KVCacheManager.snapshot`); between steps."""
+        return self.kv.snapshot({seq_id: group.request_id for seq_id, (_, group) in self._seqs.items()})
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped."""

@@ -1,9 +1,10 @@
 """AsyncEngine: the LLMEngine driven by one asyncio task, each request streamed through its own slot.
 
 The event loop owns all engine mutation between steps: `generate()` and `abort()` only queue an operation
-and wake the loop task, which applies the queued adds/aborts, then runs `LLMEngine.step()` in a single worker
-thread (so the event loop keeps accepting and streaming while the model computes) and hands each
-RequestOutput to its request's stream slot. A step never races with an add or an abort.
+and wake the loop task, which applies the queued adds/aborts (and takes the snapshots `snapshot()` asked for),
+then runs `LLMEngine.step()` in a single worker thread (so the event loop keeps accepting and streaming while
+the model computes) and hands each RequestOutput to its request's stream slot. A step never races with an add,
+an abort or a snapshot.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import replace
 from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, StepError
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.stats import EngineStats, StepStats
+from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -29,6 +30,8 @@ __all__ = ["AsyncEngine"]
 logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
+# ("add", EngineRequest), ("abort", request_id) or ("snapshot", the future to set), applied in order between steps.
+_Op = tuple[str, EngineRequest | str | asyncio.Future[EngineSnapshot]]
 
 
 class _GroupFailed(EngineDeadError):
@@ -73,8 +76,7 @@ class AsyncEngine:
         self._owns_engine = engine is None
         self.engine = engine if engine is not None else LLMEngine(config)
         self._streams: dict[str, _Latest] = {}
-        # ("add", EngineRequest) or ("abort", request_id), applied in order between steps.
-        self._ops: list[tuple[str, EngineRequest | str]] = []
+        self._ops: list[_Op] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -112,6 +114,25 @@ class AsyncEngine:
     def check_integrity(self) -> None:
         """The KV cache manager's invariants (AssertionError if broken); call it while no step runs."""
         self.engine.check_integrity()
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The KV cache's blocks and the stats, taken by the loop task between two steps: the next time it applies
+        queued operations, so at most one step from now. EngineError if the loop stops first."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._stopped:
+            raise EngineError("the engine has been shut down")
+        await self.start()
+        assert self._task is not None
+        taken: asyncio.Future[EngineSnapshot] = asyncio.get_running_loop().create_future()
+        self._submit(("snapshot", taken))
+        try:
+            await asyncio.wait((taken, self._task), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            taken.cancel()  # a viewer gone, or a loop stopped: nothing to take (a no-op once taken)
+        if taken.cancelled():
+            raise EngineError("the engine loop stopped before the snapshot was taken")
+        return taken.result()
 
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
         """Call `listener` with each step's statistics, on the event loop, as the step completes."""
@@ -233,7 +254,7 @@ class AsyncEngine:
 
     # ---- the loop -------------------------------------------------------------------------------------
 
-    def _submit(self, op: tuple[str, EngineRequest | str]) -> None:
+    def _submit(self, op: _Op) -> None:
         self._ops.append(op)
         if self._wake is not None:
             self._wake.set()
@@ -287,7 +308,20 @@ class AsyncEngine:
 
     def _apply_ops(self) -> None:
         ops, self._ops = self._ops, []
+        snapshot: EngineSnapshot | None = None  # one for every viewer that asked since the last add or abort
         for kind, arg in ops:
+            if isinstance(arg, asyncio.Future):
+                if arg.done():
+                    continue  # cancelled: its viewer is gone
+                try:
+                    snapshot = snapshot or self.engine.snapshot()
+                except Exception as e:  # it only reads: a failure is the viewer's, the engine goes on
+                    logger.exception("taking a KV cache snapshot")
+                    arg.set_exception(e)
+                    continue
+                arg.set_result(snapshot)
+                continue
+            snapshot = None
             if isinstance(arg, EngineRequest):
                 self._pending_requests -= 1
                 self._pending_seqs -= arg.params.num_seqs

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import Prompt
-from tinypaged.engine.stats import EngineStats, StepStats
+from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -60,6 +60,11 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """Queue lengths, cache usage and counters right now."""
+        ...
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The KV cache's blocks (ref counts, prefix-cache blocks, holders' request ids) and the stats, taken
+        between two steps; EngineError if the engine has stopped."""
         ...
 
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:

@@ -25,7 +25,7 @@ from tinypaged.engine.parallel_sampling import ParallelSampling
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.staging import PendingTokens
-from tinypaged.engine.stats import EngineStats, StepResult, StepStats
+from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -237,6 +237,10 @@ class LLMEngine:
         run afterwards. Idempotent."""
         self.abort_all()
         self.executor.shutdown()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The KV block pools with their holders' request ids, and stats(); call it between steps."""
+        return EngineSnapshot(self.scheduler.cache_snapshot(), self.stats())
 
     # ---- the step ---------------------------------------------------------------------------------------
 

@@ -172,8 +172,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
-        # The sampler's working set is outside the profile: up to ~8 fp32 copies of the sampled rows' logits
-        # (clone, probabilities, sorted values and int64 indices, cumulative sums, noise).
+        # The sampler's working set is outside the profile: a few fp32 copies of the sampled rows' logits (the
+        # penalties' copy, logprobs' log-softmax and ranks, beam search's log-softmax), reserved generously.
         sampler = 8 * self.config.max_num_seqs * self.config.model_config.vocab_size * 4
         self.stats.profile_activation_bytes = activations
         self.stats.non_torch_bytes = non_torch

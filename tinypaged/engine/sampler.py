@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, seeds, logprobs: one pass on the device."""
+"""Batched sampling: penalties, then temperature, top-k, top-p and min-p drawn without sorting (`ops.sample`, a
+Triton kernel on the GPU), per-row keys for seeds, logprobs; nothing waits for the device."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinypaged import ops
 from tinypaged.engine.request import TokenSample
 from tinypaged.sampling_params import SamplingParams
 
@@ -111,8 +113,8 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
 class Sampler:
     """Turns the logits of the rows being sampled into next tokens.
 
-    Nothing here waits for the device except top-p over a distribution flatter than its candidate cap (a
-    data-dependent fallback), so a step's sampling can be queued behind its forward pass.
+    Nothing here waits for the device (top-p's data-dependent work stays in the kernel), so a step's sampling
+    can be queued behind its forward pass.
     """
 
     def __call__(
@@ -131,14 +133,20 @@ class Sampler:
         params = [r.params for r in rows]
         next_ids = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
-            temps = upload([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-            probs = torch.softmax(logits / temps[:, None], dim=-1)
-            probs = self.filter_probs(probs, params)
-            # Inverse-CDF draw: one uniform per row (no [N, vocab] noise); a zero-probability token has a flat
-            # CDF step, so searching for the first CDF value above u * total never lands on it.
-            cdf = probs.cumsum(dim=-1)
-            u = _uniforms(rows, device)[:, None] * cdf[:, -1:]
-            sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+            vocab = logits.shape[-1]
+            floats = upload(
+                [
+                    [0.0 if p.greedy else p.temperature for p in params],
+                    [p.top_p for p in params],
+                    [p.min_p for p in params],
+                ],
+                torch.float32,
+                device,
+            )
+            ints = upload(
+                [[p.top_k if p.top_k < vocab else 0 for p in params], _keys(rows)], torch.int64, device
+            )
+            sampled = ops.sample(logits, ops.SampleParams(floats[0], ints[0], floats[1], floats[2], ints[1]))
             if any(p.greedy for p in params):
                 greedy = upload([p.greedy for p in params], torch.bool, device)
                 next_ids = torch.where(greedy, next_ids, sampled)
@@ -170,9 +178,12 @@ class Sampler:
         return SampledBatch(next_ids, host, copied)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The logits with penalties and banned tokens applied (a new float32 tensor)."""
-        logits = logits.float().clone()
+        """The logits with penalties and banned tokens applied: a new float32 tensor, or `logits` itself when
+        no row has either (never to be written to)."""
         pen = [i for i, r in enumerate(rows) if has_penalty(r.params)]
+        if not pen and not any(r.banned_ids for r in rows):
+            return logits
+        logits = logits.float().clone()
         if pen:
             idx = upload(pen, torch.int64, logits.device)
             logits[idx] = self._apply_penalties(logits[idx], [rows[i] for i in pen])
@@ -184,7 +195,7 @@ class Sampler:
 
     def beam_logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Log-softmax of the processed logits `[N, vocab]`, which beam search ranks continuations by."""
-        return torch.log_softmax(self.process(logits, rows), dim=-1)
+        return torch.log_softmax(self.process(logits, rows), dim=-1, dtype=torch.float32)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -210,76 +221,18 @@ class Sampler:
         pres = upload([r.params.presence_penalty for r in rows], torch.float32, device)[:, None]
         return logits - freq * out_counts - pres * (out_counts > 0)
 
-    @staticmethod
-    def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Zero what top-k, top-p (over the renormalised top-k) and min-p rule out; keep the best token.
-
-        Each rule becomes a per-row probability threshold, found among the top `cap` candidates (a partial
-        top-k, far cheaper than sorting the vocabulary); only rows whose top-p set is larger sort in full.
-        """
-        device = probs.device
-        n, vocab = probs.shape
-        use_k = any(0 < p.top_k < vocab for p in params)
-        use_p = any(p.top_p < 1.0 for p in params)
-        if not (use_k or use_p or any(p.min_p > 0.0 for p in params)):
-            return probs
-        top_k = upload([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
-        top_p = upload([p.top_p for p in params], torch.float32, device)
-        min_p = upload([p.min_p for p in params], torch.float32, device)
-        top = probs.max(dim=-1, keepdim=True).values
-        thresh = min_p[:, None] * top
-        if use_k or use_p:
-            cap = min(vocab, max(_TOP_P_CAP if use_p else 1, max(p.top_k for p in params)))
-            vals = probs.topk(cap, dim=-1).values  # sorted, descending
-            cut = _cutoff(vals, top_k, top_p, vocab)
-            short = (cut >= cap - 1) & (top_p < 1.0) & (cap < vocab)  # the top-p set may go past the cap
-            if bool(short.any()):
-                rows = short.nonzero()[:, 0]
-                full = probs[rows].sort(dim=-1, descending=True).values
-                cut_full = _cutoff(full, top_k[rows], top_p[rows], vocab)
-                thr = full.gather(1, cut_full[:, None])
-                vals_thr = vals.gather(1, cut.clamp(max=cap - 1)[:, None])
-                vals_thr[rows] = thr
-            else:
-                vals_thr = vals.gather(1, cut[:, None])
-            thresh = torch.maximum(thresh, vals_thr)
-        # Ties at the threshold are all kept (as vLLM does); the best token always survives.
-        return probs.masked_fill(probs < torch.minimum(thresh, top), 0.0)
-
-
-_TOP_P_CAP = 1024  # candidates examined for top-p before falling back to a full sort
-
-
-def _cutoff(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Per row of descending probabilities: the index of the last token that top-k and top-p keep."""
-    width = vals.shape[-1]
-    rank = torch.arange(width, device=vals.device)[None, :]
-    kept = vals.masked_fill(rank >= top_k[:, None], 0.0)
-    # Top-p as HF and vLLM: over the top-k distribution renormalised (when top-k cuts, the kept mass is exact
-    # since the caller's width covers k; otherwise the whole distribution sums to 1); drop a token once the
-    # more likely ones already reach top_p.
-    mass = torch.where(top_k[:, None] < vocab, kept.sum(dim=-1, keepdim=True), torch.ones_like(vals[:, :1]))
-    before = (kept.cumsum(dim=-1) - kept) / mass
-    keep = (rank < top_k[:, None]) & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    return (keep.sum(dim=-1) - 1).clamp(min=0)
-
 
 def has_penalty(p: SamplingParams) -> bool:
     """Whether the request's sampling depends on the tokens generated so far (beyond their number)."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One U(0, 1) per row: torch's RNG for unseeded rows, a hash of (stream key, output length) for seeded.
-
-    A seeded row's draw depends only on its sequence's stream key and how many tokens it has generated, so a
-    request repeats exactly whatever else is in the batch, on any device.
-    """
-    u = torch.rand(len(rows), dtype=torch.float64, device=device)
-    seeded = [(i, r.seed_key) for i, r in enumerate(rows) if r.seed_key is not None]
-    if seeded:
-        draws = [
-            ((mix64(key + (rows[i].generated + 1) * _GAMMA) >> 11) + 0.5) / (1 << 53) for i, key in seeded
-        ]
-        u[upload([i for i, _ in seeded], torch.int64, device)] = upload(draws, torch.float64, device)
-    return u.float()
+def _keys(rows: list[SamplingRow]) -> list[int]:
+    """Each row's 62-bit sampling key: for a seeded row a hash of its stream key and how many tokens it has
+    generated (so a request repeats exactly whatever else is in the batch, and the stream moves on with each
+    token); torch's host RNG (seeded by the engine) for the others. No device work, no sync."""
+    fresh = torch.randint(0, 1 << 62, (len(rows),)).tolist()
+    return [
+        fresh[i] if r.seed_key is None else mix64(r.seed_key + (r.generated + 1) * _GAMMA) >> 2
+        for i, r in enumerate(rows)
+    ]

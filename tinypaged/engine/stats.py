@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinypaged.core.kv_cache_manager import CacheSnapshot
 from tinypaged.outputs import RequestOutput
 
 
@@ -72,3 +73,12 @@ class EngineStats:
     generation_tokens_total: int  # tokens sampled (beam search: one per live beam per step)
     prefix_cache_queries_total: int  # prompt blocks looked up in the prefix cache (at admission)
     prefix_cache_hits_total: int  # of those, found computed
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine between two steps, for the server's cache view: both KV block pools with their holders'
+    request ids, and the load and counters at that same moment."""
+
+    cache: CacheSnapshot
+    stats: EngineStats

@@ -17,10 +17,13 @@ from aiohttp import web
 
 from tinypaged import __version__
 from tinypaged.engine.client import EngineClient
+from tinypaged.errors import EngineError
 from tinypaged.server import protocol as p
 from tinypaged.server.chat import create_chat_completion
 from tinypaged.server.completions import create_completion
+from tinypaged.server.kv_view import kv_cache_view
 from tinypaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from tinypaged.server.page import PAGE_PATHS, page_routes
 from tinypaged.server.responses import SSE_DONE, sse
 from tinypaged.server.serving import APIError, OpenAIServing, model_path
 
@@ -30,12 +33,23 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths open without the API key: probes and scrapes, as vLLM leaves them.
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+# The playground page too: it holds no secret (its API calls carry the key its user types).
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"}) | PAGE_PATHS
 # Paths that queue work on the engine: refused while the server drains.
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 _encoder = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`")
+
+
+def _error_param(message: str) -> str | None:
+    """The parameter a msgspec validation error is about (`messages[0].content`), from its message."""
+    at, missing = _AT.search(message), _MISSING.search(message)
+    path = at.group(1) if at else ""
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
 
 
 @dataclass(frozen=True)
@@ -69,8 +83,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(e: APIError) -> web.Response:
-    """OpenAI's error JSON with the error's status and headers."""
-    return json_response(p.ErrorResponse(error=e.info), e.status, e.headers)
+    """OpenAI's error JSON with the error's status and headers (`Connection: close` closes the connection)."""
+    response = json_response(p.ErrorResponse(error=e.info), e.status, e.headers)
+    if e.headers and e.headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
 async def _decode(request: web.Request, cls: type[T]) -> T:
@@ -93,16 +110,20 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
     except web.HTTPException:
         raise  # 413 from aiohttp's own size check (chunked bodies)
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding whose data does not decode
+        # Nothing more is read: without this aiohttp would drain the body after the answer, meet the error again
+        # and log its traceback (a client could fill the log); the connection closes after the 400.
+        request.content.feed_eof()
         encoding = request.headers.get("Content-Encoding", "identity")
         raise APIError(
-            400, f"The body could not be read (Content-Encoding: {encoding}).", code="invalid_body"
+            400,
+            f"The body could not be read (Content-Encoding: {encoding}).",
+            code="invalid_body",
+            headers={"Connection": "close"},
         ) from e
     try:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
-        message = str(e)
-        m = _AT.search(message)
-        raise APIError(400, message, param=m.group(1) if m else None, code="invalid_value") from e
+        raise APIError(400, str(e), param=_error_param(str(e)), code="invalid_value") from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from e
     except RecursionError as e:  # msgspec's decoder stops at a nesting depth Python's stack allows
@@ -244,6 +265,15 @@ async def metrics(request: web.Request) -> web.StreamResponse:
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def kv_cache(request: web.Request) -> web.StreamResponse:
+    """GET /kv-cache: the KV cache's blocks between two steps (`server/kv_view.py` has the format)."""
+    try:
+        snap = await request.app[ENGINE].snapshot()
+    except EngineError as e:
+        raise APIError(503, str(e), type="server_error") from e
+    return json_response(kv_cache_view(snap))
+
+
 async def openapi(request: web.Request) -> web.StreamResponse:
     """GET /openapi.json."""
     return json_response(p.openapi_schema(__version__))
@@ -271,6 +301,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/kv-cache", kv_cache)
+    app.router.add_routes(page_routes())
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()

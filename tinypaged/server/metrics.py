@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections import Counter
 
 from tinypaged.engine.stats import EngineStats, StepStats
@@ -32,6 +33,13 @@ ENGINE_METRICS = (
         "gpu_cache_usage",
     ),
     ("cpu_cache_usage_perc", "gauge", "CPU (swap) KV cache usage: 1 means 100 percent.", "cpu_cache_usage"),
+    ("num_gpu_blocks", "gauge", "KV cache blocks on the GPU (the pool's size).", "num_gpu_blocks"),
+    (
+        "num_free_gpu_blocks",
+        "gauge",
+        "Free KV cache blocks on the GPU (cached blocks no request holds count as free).",
+        "num_free_gpu_blocks",
+    ),
     ("num_preemptions", "counter", "Cumulative number of preemptions.", "num_preemptions"),
     ("prompt_tokens", "counter", "Number of prefill tokens processed.", "prompt_tokens_total"),
     ("generation_tokens", "counter", "Number of generation tokens processed.", "generation_tokens_total"),
@@ -44,6 +52,15 @@ ENGINE_METRICS = (
     ("prefix_cache_hits", "counter", "Prompt blocks found in the prefix cache.", "prefix_cache_hits_total"),
     ("engine_steps", "counter", "Engine steps run.", "num_steps"),
 )
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident set size (Linux: /proc/self/statm); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _escape(value: str) -> str:
@@ -146,4 +163,11 @@ class ServerMetrics:
             )
         for hist in (self.ttft, self.tpot, self.e2e, self.iteration_tokens, self.step_time):
             lines += hist.render(self.labels)
+        rss = resident_memory_bytes()
+        if rss is not None:  # the name Prometheus clients give it, without our prefix
+            lines += [
+                "# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                "# TYPE process_resident_memory_bytes gauge",
+                f"process_resident_memory_bytes {rss}",
+            ]
         return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ completions.py and chat.py each give them a `Formatter`: how a delta looks in th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -113,12 +114,20 @@ async def respond(
         usage = req.stream_options is not None and req.stream_options.include_usage
         return stream(outputs, n, formatter, final_only(params[0]), usage)
     finals = await collect(outputs, len(params))
-    choices = [
-        formatter.choice(ChoiceState().advance(i, n, out, o))  # a fresh state: the whole choice at once
-        for i, out in enumerate(finals)
-        for o in out.outputs
-    ]
-    return formatter.response(choices, usage_of(finals))
+
+    def build() -> msgspec.Struct:
+        choices = [
+            formatter.choice(ChoiceState().advance(i, n, out, o))  # a fresh state: the whole choice at once
+            for i, out in enumerate(finals)
+            for o in out.outputs
+        ]
+        return formatter.response(choices, usage_of(finals))
+
+    if any(sp.logprobs is not None or sp.prompt_logprobs is not None for sp in params):
+        # Up to a million logprob entries (docs/limits.md) take a second to format: in a thread, the GIL shared
+        # at its switch interval, so the event loop keeps serving the other requests meanwhile.
+        return await asyncio.to_thread(build)
+    return build()
 
 
 async def stream(

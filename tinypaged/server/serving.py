@@ -14,6 +14,9 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.client import EngineClient
@@ -295,12 +298,12 @@ class OpenAIServing:
 
     async def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
         """The chat template applied to the messages (400 if the template rejects them)."""
-        dicts = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "\n".join(part.text for part in content)
-            dicts.append({"role": m.role, "content": content or ""})
+        dicts = [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        # Rendering holds the GIL: a chat surely past the context (each message is at least a token, and no
+        # token is longer than max_token_chars) is refused by its size, unrendered.
+        chars = sum(len(d["content"]) for d in dicts)
+        if len(dicts) > self.max_model_len or chars > self.max_model_len * self.tokenizer.max_token_chars:
+            raise request_error(context_length_error(self.max_model_len), "messages")
         try:
             return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
@@ -345,6 +348,39 @@ class OpenAIServing:
                 )
             ]
         )
+
+
+def _template_message(m: p.ChatMessage, where: str) -> dict[str, Any]:
+    """One message as chat templates read it: its role, its content as text, and its tool fields when given.
+    Here too the HTTP API's rules that the schema cannot say: an assistant message without content must carry
+    tool or function calls, and a text-only model serves only text parts (and an assistant's refusals)."""
+    role = m.__struct_config__.tag
+    content = m.content
+    if content is None and isinstance(m, p.AssistantMessage) and not (m.tool_calls or m.function_call):
+        raise APIError(
+            400,
+            f"{where}: an assistant message needs `content` unless it has `tool_calls` or `function_call`.",
+            param=f"{where}.content",
+        )
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, p.TextPart | p.RefusalPart):
+                texts.append(part.text if isinstance(part, p.TextPart) else part.refusal)
+            else:
+                raise APIError(
+                    400,
+                    f"{where}.content[{j}]: `{part.__struct_config__.tag}` parts are not supported; this server "
+                    "serves a text-only model.",
+                    param=f"{where}.content[{j}].type",
+                )
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    for key in ("name", "tool_call_id", "tool_calls", "function_call"):
+        value = getattr(m, key, None)
+        if value is not None:
+            out[key] = msgspec.to_builtins(value)
+    return out
 
 
 async def merge(

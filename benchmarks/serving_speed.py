@@ -1,0 +1,387 @@
+"""Serving speed as users see it (issue "Serving speed as users see it"), all in one call on the GPU: offline W1
+greedy and sampled, the sampler alone, batch-1 decode, then the same W1 requests over HTTP against a real
+`tinypaged serve` process, as a burst of concurrent streams and as a Poisson arrival process; a table
+against the targets is printed last.
+
+    tinypaged weights random --config llama-3.1-8b --out /tmp/llama-3.1-8b
+    python3 benchmarks/serving_speed.py --model /tmp/llama-3.1-8b --out benchmarks/results/serving-speed-h200.json
+
+W1's shape (256 requests, prompts 64-1024, outputs 32-512 random token ids, EOS ignored) with seed 2. The
+sampled runs give each request its own seed. Offline and server use the same engine settings
+(--max-model-len 2048, the other flags at their defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import torch
+from common import Work, device_name, free_llm, generate_with_stats, make_workload, run_latency, write_json
+from common import section as run_section
+from throughput import roofline
+
+from tinypaged import LLM, SamplingParams, ops
+
+SAMPLED = {
+    "greedy": {"temperature": 0.0},
+    "t0.8_p0.95": {"temperature": 0.8, "top_p": 0.95},
+    "k50_minp0.05": {"temperature": 1.0, "top_k": 50, "min_p": 0.05},
+}
+
+
+def offline(llm: LLM, work: Work, name: str) -> dict[str, Any]:
+    """W1 through the engine's own loop with the `name` sampling settings (a seed per request)."""
+    kw = SAMPLED[name]
+    params = [
+        SamplingParams(max_tokens=o, ignore_eos=True, seed=None if name == "greedy" else i, **kw)
+        for i, (_, o) in enumerate(work)
+    ]
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    llm.generate(prompts[:4], params[:4])  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs, stats = generate_with_stats(llm, prompts, params, time_device=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(o for _, o in work)
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tokens_per_s": n_out / elapsed,
+        "steps": len(stats),
+        "host_sample_s": sum(s.sample_s for s in stats),  # queuing the sampling pass
+        "host_wait_s": sum(s.wait_s for s in stats),  # waiting for sampled tokens
+    }
+
+
+def sampler_alone(vocab: int, rows: int = 256, reps: int = 50) -> dict[str, Any]:
+    """ms per call of the sampling op on `[rows, vocab]` bf16 logits, beside argmax, per setting."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    keys = torch.randint(0, 1 << 62, (rows,), device="cuda", generator=gen)
+    out: dict[str, Any] = {}
+
+    def timed(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    out["argmax_ms"] = timed(lambda: logits.argmax(dim=-1))
+    for name, kw in SAMPLED.items():
+        if name == "greedy":
+            continue
+
+        def full(key: str, default: float, dtype: torch.dtype = torch.float32, kw: dict = kw) -> torch.Tensor:
+            return torch.full((rows,), kw.get(key, default), dtype=dtype, device="cuda")
+
+        params = ops.SampleParams(
+            full("temperature", 1.0),
+            full("top_k", 0, torch.int64),
+            full("top_p", 1.0),
+            full("min_p", 0.0),
+            keys,
+        )
+        out[f"{name}_ms"] = timed(lambda params=params: ops.sample(logits, params))
+        # The kernel against the torch reference at this shape, on the GPU: the same draws from the same keys.
+        with ops.torch_reference_ops():
+            want = ops.sample(logits, params)
+        out[f"{name}_same_as_reference"] = float((ops.sample(logits, params) == want).float().mean())
+    return out
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, delay: float
+) -> dict[str, Any]:
+    """One streamed completion after `delay` s: TTFT, the gaps between token chunks, tokens, errors."""
+    await asyncio.sleep(delay)
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    res: dict[str, Any] = {"ttft": None, "itl": [], "tokens": 0, "error": None}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            res["error"] = f"HTTP {resp.status}"
+            return res
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                res["error"] = chunk["error"]["message"]
+                break
+            if chunk.get("usage"):
+                res["tokens"] = chunk["usage"]["completion_tokens"]
+            if not chunk["choices"]:
+                continue
+            now = time.perf_counter()
+            if res["ttft"] is None:
+                res["ttft"] = now - start
+            else:
+                res["itl"].append(now - last)
+            last = now
+    res["e2e"] = time.perf_counter() - start
+    return res
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values) * 1e3
+    return {
+        "p50_ms": float(np.percentile(arr, 50)),
+        "p99_ms": float(np.percentile(arr, 99)),
+        "mean_ms": float(arr.mean()),
+    }
+
+
+async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> dict[str, Any]:
+    """The requests all at once (rate None) or as a Poisson process at `rate` requests/s."""
+    rng = np.random.default_rng(seed)
+    delays = np.zeros(len(work)) if rate is None else np.cumsum(rng.exponential(1 / rate, len(work)))
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_one(session, url, p, o, float(d)) for (p, o), d in zip(work, delays, strict=True))
+        )
+        elapsed = time.perf_counter() - t0
+    ok = [r for r in results if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "rate": rate,
+        "completed": len(ok),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "ttft": pct([r["ttft"] for r in ok]),
+        "itl": pct([x for r in ok for x in r["itl"]]),
+    }
+
+
+def serve_and_measure(model: str, work: Work, rate: float, max_model_len: int, budget: int) -> dict[str, Any]:
+    """Start `tinypaged serve` with this token budget per step, run the burst and the Poisson run, stop it."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "from tinypaged.cli import main; main()", "serve", "--model", model]
+    cmd += [
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-batched-tokens",
+        str(budget),
+    ]
+    log = open("/tmp/serving_speed_server.log", "w")  # noqa: SIM115 (kept open for the child)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None or time.perf_counter() - t0 > 600:
+                    raise RuntimeError(Path("/tmp/serving_speed_server.log").read_text()[-3000:]) from None
+                time.sleep(1)
+        out: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
+        asyncio.run(http_run(url, work[:8], None))  # warm-up
+        out["burst"] = asyncio.run(http_run(url, work, None))
+        out["poisson"] = asyncio.run(http_run(url, work, rate))
+        return out
+    finally:
+        server.terminate()
+        server.wait(120)
+        log.close()
+
+
+# ---- table ---------------------------------------------------------------------------------------------------
+
+
+def table(res: dict[str, Any]) -> str:
+    off, srv = res.get("offline", {}), res.get("server", {})
+    greedy = off.get("greedy", {}).get("output_tokens_per_s")
+    rows = []
+
+    def row(measure: str, value: str, target: str, ok: bool | None) -> None:
+        rows.append(f"| {measure} | {value} | {target} | {'-' if ok is None else 'yes' if ok else 'NO'} |")
+
+    if greedy:
+        frac = greedy * res["roofline"]["total_strict_s"] / off["greedy"]["output_tokens"]
+        row("W1 offline greedy", f"{greedy:.0f} tok/s = {frac:.0%} of strict roofline", ">= 80%", frac >= 0.8)
+        for name in ("t0.8_p0.95", "k50_minp0.05"):
+            v = off.get(name, {}).get("output_tokens_per_s")
+            if v:
+                row(
+                    f"W1 offline {name}, seed per request",
+                    f"{v:.0f} tok/s = {v / greedy:.1%} of greedy",
+                    ">= 95% of greedy",
+                    v / greedy >= 0.95,
+                )
+    burst, poisson = srv.get("burst"), srv.get("poisson")
+    if burst and greedy:
+        v = burst["output_tokens_per_s"]
+        row(
+            "W1 as 256 concurrent streams",
+            f"{v:.0f} tok/s = {v / greedy:.1%} of offline",
+            ">= 95% of offline",
+            v / greedy >= 0.95,
+        )
+        row(
+            "  its ITL p99",
+            f"{burst['itl']['p99_ms']:.1f} ms (p50 {burst['itl']['p50_ms']:.1f})",
+            "<= 40 ms",
+            burst["itl"]["p99_ms"] <= 40,
+        )
+        row(
+            "  its TTFT p50 / p99",
+            f"{burst['ttft']['p50_ms']:.0f} / {burst['ttft']['p99_ms']:.0f} ms",
+            "-",
+            None,
+        )
+    if poisson:
+        row(
+            f"Poisson {poisson['rate']:g} req/s: TTFT p99",
+            f"{poisson['ttft']['p99_ms']:.0f} ms (p50 {poisson['ttft']['p50_ms']:.0f})",
+            "<= 100 ms",
+            poisson["ttft"]["p99_ms"] <= 100,
+        )
+        row(
+            "  its ITL p99",
+            f"{poisson['itl']['p99_ms']:.1f} ms (p50 {poisson['itl']['p50_ms']:.1f})",
+            "<= 25 ms",
+            poisson["itl"]["p99_ms"] <= 25,
+        )
+    lat = res.get("latency", {}).get("graphs")
+    if lat:
+        row(
+            "batch-1 decode, 512-token prompt",
+            f"{lat['decode_tokens_per_s']:.1f} tok/s = {lat['fraction_of_roofline']:.0%} of roofline",
+            ">= 78%",
+            lat["fraction_of_roofline"] >= 0.78,
+        )
+    samp = res.get("sampler_alone")
+    if samp:
+        parts = ", ".join(f"{k.removesuffix('_ms')} {v:.3f}" for k, v in samp.items() if k.endswith("_ms"))
+        row("sampler alone, 256 x vocab bf16 (ms)", parts, "-", None)
+        same = min(v for k, v in samp.items() if k.endswith("_same_as_reference"))
+        row("kernel draws = torch reference's (same keys)", f"{same:.2%} of rows", ">= 97%", same >= 0.97)
+    main_table = "| measure | now | target | met |\n|---|---|---|---|\n" + "\n".join(rows)
+    budgets = res.get("by_budget", {})
+    if len(budgets) < 2:
+        return main_table
+    lines = [
+        "| tokens per step | W1 offline tok/s | 256 streams tok/s (% offline) | ITL p50 / p99 ms | "
+        "Poisson TTFT p50 / p99 ms | Poisson ITL p50 / p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for budget, r in budgets.items():
+        off_tps = (r.get("offline_greedy") or {}).get("output_tokens_per_s")
+        b, p = r.get("burst"), r.get("poisson")
+        if not off_tps or not b or not p:
+            continue
+        lines.append(
+            f"| {budget} | {off_tps:.0f} | {b['output_tokens_per_s']:.0f} ({b['output_tokens_per_s'] / off_tps:.1%}) "
+            f"| {b['itl']['p50_ms']:.1f} / {b['itl']['p99_ms']:.1f} | {p['ttft']['p50_ms']:.0f} / "
+            f"{p['ttft']['p99_ms']:.0f} | {p['itl']['p50_ms']:.1f} / {p['itl']['p99_ms']:.1f} |"
+        )
+    return main_table + "\n\n" + "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=16.0, help="Poisson arrivals, requests/s")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=[2048],
+        help="max_num_batched_tokens; the first is the main run's",
+    )
+    ap.add_argument("--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "server"])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
+    args = ap.parse_args()
+
+    res: dict[str, Any] = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+    def section(name: str, fn: Any) -> None:
+        run_section(res, name, fn, args.out)
+        print(f"{name}: {json.dumps(res[name], default=str)[:600]}", flush=True)
+
+    budgets = args.budgets
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_batched_tokens=budgets[0])
+    cfg = llm.config.model_config
+    work = make_workload(args.num_requests, cfg.vocab_size, args.seed)
+    res["roofline"] = roofline(cfg, work)
+    if "offline" not in args.skip:
+        res["offline"] = {}
+        for name in SAMPLED:
+            section("offline_" + name, lambda name=name: offline(llm, work, name))
+            res["offline"][name] = res.pop("offline_" + name)
+    if "sampler" not in args.skip:
+        section("sampler_alone", lambda: sampler_alone(cfg.vocab_size))
+    if "latency" not in args.skip:
+        section("latency", lambda: run_latency(llm))
+    free_llm(llm)
+    # The token budget per step: W1 offline (greedy) and over HTTP at each of the other budgets.
+    res["by_budget"] = {budgets[0]: {"offline_greedy": res.get("offline", {}).get("greedy")}}
+    for budget in budgets[1:]:
+        llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_batched_tokens=budget)
+        section("offline_budget", lambda llm=llm: offline(llm, work, "greedy"))
+        res["by_budget"][budget] = {"offline_greedy": res.pop("offline_budget")}
+        free_llm(llm)
+    if "server" not in args.skip:
+        for budget in budgets:
+            section(
+                "server_budget",
+                lambda b=budget: serve_and_measure(args.model, work, args.rate, args.max_model_len, b),
+            )
+            res["by_budget"][budget].update(res.pop("server_budget"))
+        res["server"] = res["by_budget"][budgets[0]]
+    res["table"] = table(res)
+    write_json(args.out, res)
+    if os.environ.get("OUT"):
+        write_json(Path(os.environ["OUT"]) / args.out.name, res)
+    print("\n" + res["table"])
+
+
+if __name__ == "__main__":
+    main()

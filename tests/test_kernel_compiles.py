@@ -1,0 +1,29 @@
+"""The sampling kernel compiles for the H200 (sm_90) here, without a GPU: Triton's interpreter, which the
+kernel tests use, accepts code that the compiler rejects (a constexpr assigned in a loop, say)."""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tinypaged.kernels.sampling import _sample_kernel
+
+
+def test_sampling_kernel_compiles_for_hopper() -> None:
+    signature = {
+        "logits_ptr": "*bf16",
+        "stride": "i64",
+        "vocab": "i32",
+        "temp_ptr": "*fp32",
+        "top_k_ptr": "*i32",
+        "top_p_ptr": "*fp32",
+        "min_p_ptr": "*fp32",
+        "keys_ptr": "*i64",
+        "out_ptr": "*i64",
+        "MAX_ROUNDS": "constexpr",
+        "BLOCK": "constexpr",
+    }
+    src = ASTSource(fn=_sample_kernel, signature=signature, constexprs={"MAX_ROUNDS": 256, "BLOCK": 4096})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert "cubin" in kernel.asm
