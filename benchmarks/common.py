@@ -26,7 +26,6 @@ from tinypaged import LLM, SamplingParams, ops
 from tinypaged.config import ModelConfig
 from tinypaged.engine.request import Prompt
 from tinypaged.engine.stats import StepResult, StepStats
-from tinypaged.model import AttentionMetadata
 from tinypaged.outputs import RequestOutput
 
 COPY_TBPS = 4.28  # H200 device-to-device copy, measured (BENCHMARKS.md, "Targets")
@@ -189,6 +188,8 @@ def _phase_totals(rows: list[StepStats], device: dict[int, float]) -> dict[str, 
 # ---- profiling -----------------------------------------------------------------------------------------------
 
 _CLASSES = (
+    ("all_reduce", ("allreduce",)),  # NCCL's (tensor parallelism): ncclDevKernel_AllReduce_...
+    ("nccl_other", ("nccl",)),  # the input ids' broadcast, the logits' all-gather
     ("attention", ("_paged_attn", "_reduce_kernel")),
     ("rms_norm", ("_rms_norm",)),
     ("rotary", ("_rotary",)),
@@ -201,15 +202,21 @@ _CLASSES = (
 
 def _kernel_table(prof: Any, wall: float, steps: int) -> dict[str, Any]:
     kernels: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for evt in prof.key_averages():
         t = getattr(evt, "self_device_time_total", 0.0) or 0.0
+        if evt.key.startswith("nccl:"):
+            continue  # the profiler's range around an eager NCCL call, not a kernel (its kernel is counted)
         if t > 0 and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
             kernels[evt.key] = kernels.get(evt.key, 0.0) + t / 1e6
+            calls[evt.key] = calls.get(evt.key, 0) + evt.count
     classes: dict[str, float] = {}
+    class_calls: dict[str, int] = {}
     for name, t in kernels.items():
         low = name.lower()
         cls = next((c for c, keys in _CLASSES if any(k in low for k in keys)), "other")
         classes[cls] = classes.get(cls, 0.0) + t
+        class_calls[cls] = class_calls.get(cls, 0) + calls[name]
     gpu = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {
@@ -218,6 +225,7 @@ def _kernel_table(prof: Any, wall: float, steps: int) -> dict[str, Any]:
         "gpu_kernel_s": gpu,
         "gpu_idle_fraction": 1 - gpu / wall,
         "by_class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "calls_by_class": class_calls,
         "top_kernels_s": [[k[:90], t] for k, t in top],
     }
 
@@ -262,9 +270,15 @@ def timed_request(
 
 
 def run_latency(
-    llm: LLM, prompt_len: int = 512, gen_tokens: int = 256, ttft_len: int = 1024, seed: int = 0
+    llm: LLM,
+    prompt_len: int = 512,
+    gen_tokens: int = 256,
+    ttft_len: int = 1024,
+    seed: int = 0,
+    modes: Sequence[str] = ("graphs", "graphs_sync", "eager"),
 ) -> dict[str, Any]:
-    """Batch-1 decode tokens/s with and without CUDA graphs, and TTFT of a `ttft_len`-token prompt."""
+    """Batch-1 decode tokens/s with and without CUDA graphs (the `modes` asked for), and TTFT of a
+    `ttft_len`-token prompt."""
     cfg = llm.config.model_config
     engine, runner = llm.engine, llm.engine.runner
     rng = np.random.default_rng(seed)
@@ -285,7 +299,7 @@ def run_latency(
         ("graphs_sync", True, False),
         ("eager", False, True),
     ):
-        if graphs and not runner.stats.graph_batch_sizes:  # no graphs were captured
+        if mode not in modes or (graphs and not runner.stats.graph_batch_sizes):  # no graphs were captured
             continue
         runner.use_cuda_graphs = graphs
         engine.async_scheduling = overlap
@@ -324,31 +338,10 @@ def run_latency(
 # ---- numerics ------------------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
 def prompt_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """fp32 logits `[P, vocab]` of every position of each prompt, by one ragged prefill of the engine's model
-    into a scratch paged cache (the kernels or references that `ops` picks now)."""
-    runner = llm.engine.runner
-    dev, bs = runner.device, llm.config.block_size
-    widths = [-(-len(p) // bs) for p in prompts]
-    kv = runner.allocate_kv_cache(sum(widths))
-    tables, slots, first = [], [], 0
-    for p, w in zip(prompts, widths, strict=True):
-        table = list(range(first, first + w))
-        first += w
-        tables.append(table + [0] * (max(widths) - w))
-        slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
-    starts = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).tolist()
-    meta = AttentionMetadata(
-        torch.tensor(slots, device=dev),
-        torch.tensor(tables, dtype=torch.int32, device=dev),
-        torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev),
-        torch.tensor(starts, dtype=torch.int32, device=dev),
-    )
-    ids = torch.tensor([t for p in prompts for t in p], device=dev)
-    pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
-    logits = runner.model.compute_logits(runner.model(ids, pos, kv, meta))
-    return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(prompts))]
+    into a scratch paged cache (the kernels or references that `ops` picks now), on every tensor-parallel rank."""
+    return llm.engine.executor.prompt_logits(prompts)
 
 
 def run_checks(
@@ -371,7 +364,7 @@ def run_checks(
     with ops.torch_reference_ops():
         ref = [o.outputs[0].token_ids for o in llm.generate(reqs, params)]
         ref_logits = prompt_logits(llm, prompts)
-    agree = [_common_prefix(a, b) for a, b in zip(fast, ref, strict=True)]
+    agree = [common_prefix(a, b) for a, b in zip(fast, ref, strict=True)]
     diffs = [(a - b).abs().max().item() for a, b in zip(fast_logits, ref_logits, strict=True)]
     scale = max(b.abs().max().item() for b in ref_logits)
     report = {
@@ -420,7 +413,7 @@ def fp32_greedy_check(
         "graphs_equal_ref": graphs == ref,
         "eager_equal_ref": eager == ref,
         "graphs_equal_eager": graphs == eager,
-        "common_prefix_graphs_vs_ref": [_common_prefix(a, b) for a, b in zip(graphs, ref, strict=True)],
+        "common_prefix_graphs_vs_ref": [common_prefix(a, b) for a, b in zip(graphs, ref, strict=True)],
     }
 
 
@@ -456,7 +449,7 @@ def hf_checks(model_dir: str | Path, state: dict[str, Any]) -> dict[str, Any]:
         gen = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(toks), do_sample=False
         )[0, len(p) :].tolist()
-        agree.append(_common_prefix(gen, toks))
+        agree.append(common_prefix(gen, toks))
     return {
         "oracle": "HF transformers float32",
         "oracle_logits_max_abs": max(x.abs().max().item() for x in oracle),
@@ -469,7 +462,7 @@ def hf_checks(model_dir: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -497,8 +490,9 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Any:
 
 
 def free_llm(llm: LLM) -> None:
-    """Release an engine's memory (weights, KV caches, graphs) before loading another model."""
-    llm.engine.runner.release()
+    """Release an engine's memory (weights, KV caches, graphs; every tensor-parallel rank) before loading
+    another model."""
+    llm.shutdown()
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -151,6 +151,25 @@ def test_help_imports_no_torch() -> None:
     assert out.strip() == "[]"
 
 
+def test_a_dead_engine_is_one_line_and_status_1(capsys, tiny_model: Path, monkeypatch) -> None:
+    """An engine that stops under the CLI (a tensor-parallel worker killed, say) ends it with its reason."""
+    from tinypaged.errors import EngineDeadError
+    from tinypaged.llm import LLM
+
+    def dead(*args: object, **kwargs: object) -> None:
+        raise EngineDeadError("tensor-parallel worker 1 (pid 7) was killed by signal 9")
+
+    monkeypatch.setattr(LLM, "generate", dead)
+    code, out, err = _run(capsys, "generate", "--model", str(tiny_model), "Hello")
+    assert (code, out, err) == (1, "", "error: tensor-parallel worker 1 (pid 7) was killed by signal 9\n")
+
+
+def test_worker_needs_the_rendezvous(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    code, out, err = _run(capsys, "worker", "--rank", "1")
+    assert code == 2 and err == "error: set MASTER_ADDR and MASTER_PORT to rank 0's\n"
+
+
 def test_api_key_from_the_environment(monkeypatch) -> None:
     """`serve` takes its key from $TINYPAGED_API_KEY (kept out of the process list); a flag overrides it."""
     from tinypaged.cli import build_parser

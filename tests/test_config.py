@@ -80,6 +80,10 @@ def test_cli_flags_are_the_engine_arguments() -> None:
         ({"swap_space": -1.0}, "swap_space must be >= 0"),
         ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override must be >= 1"),
         ({"max_num_sequences": 4}, "unknown engine argument 'max_num_sequences'"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        # 4 heads, 2 KV heads, MLP width 96: 3 divides neither the heads nor the KV heads.
+        ({"tensor_parallel_size": 3}, r"does not divide its 4 attention heads and its 2 KV heads"),
+        ({"tensor_parallel_size": 8}, "does not divide its 4 attention heads"),
     ],
 )
 def test_bad_engine_arguments(model, kwargs: dict, message: str) -> None:
@@ -90,3 +94,14 @@ def test_bad_engine_arguments(model, kwargs: dict, message: str) -> None:
 def test_missing_model_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model directory not found"):
         EngineConfig(model=tmp_path / "nope")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_sizes_that_split(model, tp: int) -> None:
+    """2 splits every KV head group; 4 ranks share each of the 2 KV heads by two."""
+    assert EngineConfig.from_kwargs(model(), tensor_parallel_size=tp).tensor_parallel_size == tp
+
+
+def test_tensor_parallel_mlp_must_split(model) -> None:
+    with pytest.raises(ConfigError, match="does not divide its MLP width 90"):
+        EngineConfig.from_kwargs(model(intermediate_size=90), tensor_parallel_size=4)

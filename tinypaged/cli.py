@@ -1,4 +1,4 @@
-"""The `tinypaged` command: serve | generate | weights (fetch | random)."""
+"""The `tinypaged` command: serve | generate | weights (fetch | random) | worker."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 
 from tinypaged.config import ConfigError, EngineConfig
+from tinypaged.errors import EngineError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,15 +62,24 @@ def _generate(args: argparse.Namespace) -> int:
     from tinypaged.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
-    llm = LLM(**_engine_args(args))
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
-    out = llm.generate([prompt], params)[0]
+    with LLM(**_engine_args(args)) as llm:
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+        out = llm.generate([prompt], params)[0]
     if out.error:
         raise ValueError(out.error)
     print(out.outputs[0].text)
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from tinypaged.engine.worker import main as worker_main
+
+    argv = ["--rank", str(args.rank)] + (
+        [] if args.local_rank is None else ["--local-rank", str(args.local_rank)]
+    )
+    return worker_main(argv)
 
 
 def _weights(args: argparse.Namespace) -> int:
@@ -154,6 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--out", type=Path, required=True, help="the model directory to write")
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(func=_random_weights)
+
+    worker = sub.add_parser(
+        "worker",
+        help="a tensor-parallel worker on another node: joins the engine at MASTER_ADDR:MASTER_PORT",
+        description="One worker process for one rank of a tensor-parallel engine whose rank 0 (the engine, "
+        "`tinypaged serve --tensor-parallel-size N` with LOCAL_WORLD_SIZE set to its node's ranks) runs "
+        "elsewhere; the engine's arguments come from rank 0.",
+    )
+    worker.add_argument("--rank", type=int, required=True, help="this worker's rank (1 .. N - 1)")
+    worker.add_argument(
+        "--local-rank",
+        type=int,
+        default=None,
+        help="its GPU on this node (default: LOCAL_RANK, else the rank)",
+    )
+    worker.set_defaults(func=_worker)
     return parser
 
 
@@ -168,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EngineError as e:  # e.g. a tensor-parallel worker that died
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         from tinypaged.weights import WeightsError  # not at the top: it pulls numpy into `--help`
 

@@ -171,6 +171,11 @@ class EngineConfig:
     async_scheduling: bool | None = _arg(
         None, "overlap each step's host work with the device's; default: on for a GPU"
     )
+    tensor_parallel_size: int = _arg(
+        1,
+        "ranks the model is split over (one process and GPU each; gloo ranks on the CPU): attention by heads, "
+        "the MLP by columns, the vocabulary by rows",
+    )
     model_config: ModelConfig = field(init=False, repr=False, compare=False)  # read from model/config.json
 
     def __post_init__(self) -> None:
@@ -212,9 +217,29 @@ class EngineConfig:
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
             ("max_model_len", self.max_model_len >= 1, ">= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
         ):
             if not ok:
                 raise ConfigError(f"{name} must be {rule}, got {getattr(self, name)}")
+        self._check_tensor_parallel(mcfg)
+
+    def _check_tensor_parallel(self, m: ModelConfig) -> None:
+        """The model must split evenly: query heads and the MLP's columns over the ranks, KV heads too or
+        each KV head shared by a whole number of ranks (replicated where the ranks outnumber them)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        problems = []
+        if m.num_heads % tp:
+            problems.append(f"its {m.num_heads} attention heads")
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            problems.append(f"its {m.num_kv_heads} KV heads (nor is {tp} a multiple of them)")
+        if m.intermediate_size % tp:
+            problems.append(f"its MLP width {m.intermediate_size}")
+        if problems:
+            raise ConfigError(
+                f"tensor_parallel_size {tp} does not divide {' and '.join(problems)} ({m.path.name})"
+            )
 
     @classmethod
     def engine_args(cls) -> list[Field[Any]]:

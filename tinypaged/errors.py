@@ -15,3 +15,8 @@ class RequestError(ValueError):
 
 class EngineError(RuntimeError):
     """A request failed inside the engine (not because of its input); the message says why."""
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot run any more steps (e.g. a tensor-parallel worker died or hung): every request fails,
+    and so will every new one until the engine is restarted. The message names the cause."""

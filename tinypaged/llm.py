@@ -18,13 +18,26 @@ class LLM:
     """A model with its engine, for batched offline generation.
 
     `LLM(model=None, **engine_args)`: the model directory (None: the default model, fetched if missing) and any
-    field of EngineConfig (`block_size=`, `max_num_seqs=`, `enable_prefix_caching=`, ...: vLLM's names).
+    field of EngineConfig (`block_size=`, `max_num_seqs=`, `tensor_parallel_size=`, ...: vLLM's names).
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block) stops the tensor-parallel workers at once; they
+    also stop when the LLM is garbage collected or the process exits.
     """
 
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = LLMEngine(self.config)
         self._next_id = 0
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine and every tensor-parallel rank, freeing their devices; the LLM cannot generate
+        afterwards."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name)."""

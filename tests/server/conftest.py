@@ -71,7 +71,9 @@ class LiveServer:
         self.call(self.engine.check_integrity)
 
     def close(self) -> None:
-        """Drain and stop the server, then its loop."""
+        """Drain and stop the server, then its loop (once: a test may close it before its fixture does)."""
+        if not self._thread.is_alive():
+            return
         asyncio.run_coroutine_threadsafe(stop_server(self.runner), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
@@ -102,6 +104,23 @@ def small_server(model_dir: Path) -> Iterator[LiveServer]:
     )
     yield live
     live.close()
+
+
+@pytest.fixture(scope="module")
+def tp_server(model_dir: Path) -> Iterator[LiveServer]:
+    """A server over the default model split over 3 tensor-parallel ranks (gloo)."""
+    config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=3)
+    live = LiveServer(
+        AsyncEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
+    )
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def tp_raw(tp_server: LiveServer) -> Iterator[Raw]:
+    """Raw requests to the tensor-parallel server."""
+    yield Raw(tp_server.url)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, StepError
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
-from tinypaged.errors import EngineError, RequestError
+from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 # ("add", EngineRequest), ("abort", request_id) or ("snapshot", the future to set), applied in order between steps.
 _Op = tuple[str, EngineRequest | str | asyncio.Future[EngineSnapshot]]
+
+
+class _GroupFailed(EngineDeadError):
+    """The tensor-parallel group failed while a step was still waiting on it."""
 
 
 class _Latest:
@@ -67,7 +71,9 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self._config = config
-        # An existing LLMEngine may be passed in (tests share one model load); it must be idle.
+        # An existing LLMEngine may be passed in (tests share one model load); it must be idle, and it is its
+        # owner's to shut down.
+        self._owns_engine = engine is None
         self.engine = engine if engine is not None else LLMEngine(config)
         self._streams: dict[str, _Latest] = {}
         self._ops: list[_Op] = []
@@ -76,6 +82,7 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = False
         self._dead: str | None = None  # why the loop died, if it did
+        self._failed: asyncio.Future[str] | None = None  # set when the tensor-parallel group fails
         self._step_listeners: list[Callable[[StepStats], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests submitted but not yet added (their add op is queued), and their sequences: they wait too.
@@ -112,7 +119,7 @@ class AsyncEngine:
         """The KV cache's blocks and the stats, taken by the loop task between two steps: the next time it applies
         queued operations, so at most one step from now. EngineError if the loop stops first."""
         if self._dead is not None:
-            raise EngineError(f"the engine loop has stopped: {self._dead}")
+            raise EngineDeadError(self._dead)
         if self._stopped:
             raise EngineError("the engine has been shut down")
         await self.start()
@@ -149,20 +156,37 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        failed: asyncio.Future[str] = self._loop.create_future()
+        self._failed = failed
+        loop = self._loop
+
+        def settle(why: str) -> None:
+            if not failed.done():
+                failed.set_result(why)
+
+        def group_failed(why: str) -> None:  # called from the executor's monitor thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, why)
+
+        self.engine.executor.on_failure(group_failed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinypaged-step")
         self._task = self._loop.create_task(self._run(), name="tinypaged-engine-loop")
 
     async def shutdown(self) -> None:
-        """Stop the loop (after the step in flight); unfinished requests fail with EngineError."""
+        """Stop the loop (after the step in flight); unfinished requests fail with EngineError. The engine it
+        made stops too, with every tensor-parallel rank."""
         self._stopped = True
         if self._task is not None:
             assert self._wake is not None
             self._wake.set()
             await self._task
-        self.engine.abort_all()
         self._fail(list(self._streams), EngineError("the engine was shut down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._owns_engine:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        else:
+            self.engine.abort_all()
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -178,7 +202,7 @@ class AsyncEngine:
         request and frees its blocks before the next step. A failure inside the engine raises EngineError.
         """
         if self._dead is not None:
-            raise EngineError("the engine loop has stopped (an internal error, logged)")
+            raise EngineDeadError(self._dead)
         if self._stopped:
             raise EngineError("the engine has been shut down")
         if request_id in self._streams:
@@ -236,7 +260,7 @@ class AsyncEngine:
             self._wake.set()
 
     async def _run(self) -> None:
-        assert self._wake is not None and self._executor is not None
+        assert self._wake is not None and self._executor is not None and self._failed is not None
         loop = asyncio.get_running_loop()
         engine = self.engine
         try:
@@ -248,8 +272,14 @@ class AsyncEngine:
                 self._apply_ops()
                 if not engine.has_unfinished_requests():
                     continue
+                step = loop.run_in_executor(self._executor, engine.step)
+                await asyncio.wait((step, self._failed), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    # The tensor-parallel group failed while the step waits on the lost rank (its collective
+                    # ends when it times out): the engine is dead now, the step's thread left to finish.
+                    raise _GroupFailed(self._failed.result())
                 try:
-                    result = await loop.run_in_executor(self._executor, engine.step)
+                    result = step.result()
                 except StepError as e:
                     logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
                     self._fail(e.request_ids, EngineError(str(e)))
@@ -259,16 +289,20 @@ class AsyncEngine:
                 for listener in self._step_listeners:
                     listener(result.stats)
         except BaseException as e:
-            # Scheduler state is unknown after an error outside a step's model work: fail everything.
-            self._dead = f"{type(e).__name__}: {e}"  # logged, never sent to a client
-            logger.exception("engine loop died")
-            try:
-                engine.abort_all()
-            except Exception:  # noqa: BLE001 - the streams are failed below either way
-                logger.exception("aborting the requests of a dead engine loop")
-            self._fail(
-                list(self._streams), EngineError("the engine loop stopped (an internal error, logged)")
-            )
+            # Scheduler state is unknown after an error outside a step's model work: fail everything. A failed
+            # tensor-parallel group says what failed (a worker's rank and exit); anything else is logged only.
+            if isinstance(e, EngineDeadError):
+                self._dead = f"the engine has stopped: {e}"
+                logger.error("engine loop stopped: %s", e)
+            else:
+                self._dead = "the engine loop stopped (an internal error, logged)"
+                logger.exception("engine loop died")
+            if not isinstance(e, _GroupFailed):  # (else a step still runs: it aborts them when it returns)
+                try:
+                    engine.abort_all()
+                except Exception:  # noqa: BLE001 - the streams are failed below either way
+                    logger.exception("aborting the requests of a dead engine loop")
+            self._fail(list(self._streams), EngineDeadError(self._dead))
             if not isinstance(e, Exception):
                 raise
 

@@ -17,15 +17,16 @@ from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.beam_search import BeamSearch
+from tinypaged.engine.executor import Executor
 from tinypaged.engine.inputs import InputProcessor
-from tinypaged.engine.model_runner import ExecuteOutput, ModelRunner
+from tinypaged.engine.model_runner import ExecuteOutput
 from tinypaged.engine.output_processor import OutputProcessor
 from tinypaged.engine.parallel_sampling import ParallelSampling
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.staging import PendingTokens
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
-from tinypaged.errors import EngineError, RequestError
+from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -110,13 +111,18 @@ class LLMEngine:
     a step whose tokens the next schedule or sampling needs on the host (a fork, a beam step, penalties) is
     applied at once. A sequence preempted while its token is pending gets the token before it can run again:
     the deferred step is applied in the same call that preempted it.
+
+    The executor runs each step on every tensor-parallel rank (one, by default); `runner` is rank 0's, in this
+    process. If the group fails (a worker died or hung) every request is aborted and `step()` raises
+    EngineDeadError, now and after; `shutdown()` ends every rank.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config)
+        self.executor = Executor(config)
+        self.runner = self.executor.runner
         self.kv = KVCacheManager(
             block_size=config.block_size,
             num_gpu_blocks=self.runner.num_gpu_blocks,
@@ -226,6 +232,12 @@ class LLMEngine:
         """The KV cache manager's invariants (AssertionError if broken); call it between steps."""
         self.kv.check_integrity()
 
+    def shutdown(self) -> None:
+        """Abort what is left and stop every tensor-parallel rank (their devices freed); the engine cannot
+        run afterwards. Idempotent."""
+        self.abort_all()
+        self.executor.shutdown()
+
     def snapshot(self) -> EngineSnapshot:
         """The KV block pools with their holders' request ids, and stats(); call it between steps."""
         return EngineSnapshot(self.scheduler.cache_snapshot(), self.stats())
@@ -238,7 +250,8 @@ class LLMEngine:
 
         Under async scheduling the tokens applied are the previous step's (this step's stay pending on the
         device until the next call). If anything after schedule() raises, the requests of this step (and of a
-        deferred one) are aborted and StepError says which.
+        deferred one) are aborted and StepError says which; if the tensor-parallel group has failed, every
+        request is aborted and EngineDeadError says why.
         """
         t0 = time.perf_counter()
         index = self._num_steps
@@ -248,6 +261,7 @@ class LLMEngine:
         applied: list[_QueuedStep] = []
         sched: SchedulerOutput | None = None
         try:
+            self.executor.check()
             sched = self.scheduler.schedule()
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
@@ -267,6 +281,9 @@ class LLMEngine:
                 outputs += self._update(queued)
                 applied.append(queued)
         except Exception as e:
+            if isinstance(e, EngineDeadError) or self.executor.failure is not None:
+                self.abort_all()  # no rank can run them any more
+                raise e if isinstance(e, EngineDeadError) else EngineDeadError(self.executor.failure) from e
             # Not one request's fault (the schedule or the batch's forward pass): fail what the step touched.
             logger.exception("engine step %d failed", index)
             failed = self._fail_step(sched, prev)
@@ -352,7 +369,7 @@ class LLMEngine:
             and (req := self._requests.get(s.request_id)) is not None
             and self.output.wants_prompt_logits(req, s.seq_id)
         ]
-        result = self.runner.execute(sched, want, prev.pending_tokens() if prev is not None else None)
+        result = self.executor.execute(sched, want, prev.pending_tokens() if prev is not None else None)
         if result is not None:
             for i, chunk in result.prompt_logits.items():
                 s = sched.scheduled[i]
@@ -451,6 +468,7 @@ class LLMEngine:
         """Apply a step's results: each request's strategy plans, the plan is applied, its output built. A
         request whose distribution was unusable, or whose update raises, fails alone."""
         results, invalid = step.results()
+        self.executor.check()  # the results of a step whose group failed meanwhile mean nothing
         by_request: dict[Request, list[tuple[Draw, Any]]] = {}
         for req, draw, result in results:
             items = by_request.get(req)

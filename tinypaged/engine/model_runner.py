@@ -21,9 +21,10 @@ import torch
 
 from tinypaged import ops
 from tinypaged.config import EngineConfig
-from tinypaged.core.scheduler import ScheduledSeq, SchedulerOutput
+from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.model.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -89,23 +90,36 @@ class ModelRunner:
     `use_cuda_graphs` may be switched off at run time (the graphs stay captured), e.g. to time eager decoding
     on the same engine. `time_device` (benchmarks) records CUDA events around each forward pass; the engine
     reports the time between them in its step statistics.
+
+    Under tensor parallelism (`tp` of several ranks) each rank has a runner over its share of the weights and
+    of the KV heads, and runs every step of the same plan (executor.py): the collectives of the forward pass
+    pair up rank by rank. Rank 0's runner is the driver's, whose logits the sampler reads; the others take
+    their input ids from rank 0 by broadcast, since tokens still pending on the device exist only there.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, tp: TPGroup | None = None, device: torch.device | None = None
+    ) -> None:
         self.config = config
+        self.tp = tp or TPGroup()
         mcfg = config.model_config
         self.stats = RunnerStats()
-        self.device = resolve_device(config.device)
+        self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)
         t0 = time.perf_counter()
-        self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len)
+        self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len, self.tp)
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_size = config.block_size
-        shape = (mcfg.num_layers, 2, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        kv_start, kv_end = self.tp.kv_heads(mcfg.num_kv_heads)
+        self.num_kv_heads = kv_end - kv_start  # this rank's
+        shape = (mcfg.num_layers, 2, self.block_size, self.num_kv_heads, mcfg.head_dim)
         self.block_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
-        self._staging = Staging(config, self.device)
-        self.num_gpu_blocks = config.num_gpu_blocks_override or self._blocks_that_fit()
+        self._staging = Staging(config, self.device, ids_from_rank0=self.tp.rank > 0)
+        # Every rank holds every block (its share of each): the rank with the least memory decides.
+        self.num_gpu_blocks = self.tp.min_int(
+            config.num_gpu_blocks_override or self._blocks_that_fit(), self.device
+        )
         self.num_cpu_blocks = int(config.swap_space * GiB // self.block_bytes)
         # Zeroed, not empty: the torch reference attention reads whole blocks (and padding) and masks afterwards,
         # and uninitialised memory can hold NaNs, which a zero attention weight does not cancel (0 * NaN = NaN).
@@ -134,7 +148,7 @@ class ModelRunner:
         self, num_blocks: int, device: torch.device, pin: bool = False, zero: bool = False
     ) -> torch.Tensor:
         m = self.config.model_config
-        shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        shape = (m.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, m.head_dim)
         make = torch.zeros if zero else torch.empty
         return make(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
@@ -201,24 +215,29 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """Capture the forward pass of a decode batch for each size of `graph_batch_sizes`, largest first,
-        all in one memory pool; each reads its inputs from the staging area's persistent graph buffers."""
+        all in one memory pool; each reads its inputs from the staging area's persistent graph buffers.
+
+        Under tensor parallelism the graphs hold the step's collectives too (NCCL kernels are captured like any
+        other): the broadcast of rank 0's input ids, then the forward pass with its all-reduces."""
         t0 = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
         st = self._staging
         pool = torch.cuda.graph_pool_handle()
         sizes = graph_batch_sizes(self.config.max_num_seqs)
+        # NCCL's watchdog thread queries events while we capture: only this thread's calls are checked.
+        mode = "thread_local" if self.tp.size > 1 else "global"
         for bs in reversed(sizes):
             inp = st.graph_input(bs, self.config.max_model_len)
             side = torch.cuda.Stream(self.device)  # warm up off the capture's stream, as torch advises
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile the kernels for this shape and settle the allocator
-                    self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+                    self._forward(inp, self.kv_cache, ids_pending=True)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                out = self._forward(inp, self.kv_cache, ids_pending=True)
             self._graphs[bs] = (graph, out)
         torch.cuda.synchronize(self.device)
         self._graph_sizes = sizes
@@ -226,10 +245,11 @@ class ModelRunner:
         self.stats.graph_capture_s = time.perf_counter() - t0
         self.stats.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
-    def _graph_size_for(self, scheduled: tuple[ScheduledSeq, ...]) -> int:
-        """The captured batch size this step pads up to, or 0 when it runs eagerly."""
-        if not (self.use_cuda_graphs and self._graphs and ops.uses_triton(self.kv_cache)):
+    def graph_batch_size(self, out: SchedulerOutput, eager: bool = False) -> int:
+        """The captured batch size this step pads up to, or 0 when it runs eagerly (always, with `eager`)."""
+        if eager or not (self.use_cuda_graphs and self._graphs and ops.uses_triton(self.kv_cache)):
             return 0
+        scheduled = out.scheduled
         n = len(scheduled)
         if n > self._graph_sizes[-1] or any(s.num_new_tokens != 1 or not s.do_sample for s in scheduled):
             return 0
@@ -237,15 +257,19 @@ class ModelRunner:
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    def prepare(
-        self, out: SchedulerOutput, eager: bool = False, pending: PendingTokens | None = None
-    ) -> ModelInput:
-        """The step's batch tensors, staged through one pinned buffer (graph buffers for decode batches,
-        unless `eager`); input tokens still pending on the device are gathered from `pending` there."""
-        bs = 0 if eager else self._graph_size_for(out.scheduled)
+    def prepare(self, out: SchedulerOutput, bs: int = 0, pending: PendingTokens | None = None) -> ModelInput:
+        """The step's batch tensors, staged through one pinned buffer (the graph buffers of batch size `bs`
+        when it is not 0); input tokens still pending on the device are gathered from `pending` there."""
         if bs:
             return self._staging.stage_decode(out.scheduled, bs, self.config.max_model_len, pending)
         return self._staging.stage(out.scheduled, pending)
+
+    def _forward(self, inp: ModelInput, kv_cache: torch.Tensor, ids_pending: bool) -> torch.Tensor:
+        """The model over a staged batch. Under tensor parallelism, when some input ids are pending on the
+        device (they are only on rank 0), every rank first takes rank 0's ids."""
+        if ids_pending and self.tp.size > 1:
+            self.tp.broadcast(inp.input_ids)
+        return self.model(inp.input_ids, inp.positions, kv_cache, inp.meta)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write: in that order, so a block swapped out is read before reuse."""
@@ -261,6 +285,7 @@ class ModelRunner:
         out: SchedulerOutput,
         prompt_logits_of: Collection[int] = (),
         pending: PendingTokens | None = None,
+        graph_batch_size: int | None = None,
     ) -> ExecuteOutput | None:
         """Perform the step's block moves and forward pass; the logits of the sampled rows and, for each
         index of `out.scheduled` in `prompt_logits_of`, of all that sequence's new tokens (such a step runs
@@ -268,6 +293,8 @@ class ModelRunner:
 
         Nothing here waits for the device: the logits come back still being computed. Input tokens missing
         from the scheduler's token_ids are read from `pending` (the last step's samples) on the device.
+        `graph_batch_size`: the decode graph to replay (0: eager), as rank 0 chose it for every rank; None:
+        this runner chooses (`graph_batch_size()`).
         """
         if not out.scheduled:
             self.move_blocks(out)
@@ -277,12 +304,15 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         self.move_blocks(out)
-        inp = self.prepare(out, eager=bool(prompt_logits_of), pending=pending)
+        if graph_batch_size is None:
+            graph_batch_size = self.graph_batch_size(out, eager=bool(prompt_logits_of))
+        inp = self.prepare(out, graph_batch_size, pending)
         if inp.graph_batch_size:
             graph, hidden = self._graphs[inp.graph_batch_size]
             graph.replay()
         else:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+            ids_pending = self.tp.size > 1 and any(s.num_new_tokens > len(s.token_ids) for s in out.scheduled)
+            hidden = self._forward(inp, self.kv_cache, ids_pending)
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         if events is not None:
             events[1].record()
@@ -301,9 +331,37 @@ class ModelRunner:
         for a forward pass outside the engine's steps (e.g. a numerics check)."""
         return self._allocate(num_blocks, self.device, zero=True)
 
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """fp32 logits `[P, vocab]` of every position of each prompt (on the CPU), by one eager ragged prefill
+        into a scratch paged cache: what the engine's first step computes for them, outside its steps (the
+        engine's cache is untouched). Under tensor parallelism every rank must run it (executor.py)."""
+        bs, dev = self.block_size, self.device
+        widths = [-(-len(p) // bs) for p in prompts]
+        kv = self.allocate_kv_cache(sum(widths))
+        tables, slots, first = [], [], 0
+        for p, w in zip(prompts, widths, strict=True):
+            table = list(range(first, first + w))
+            first += w
+            tables.append(table + [0] * (max(widths) - w))
+            slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
+        starts = list(itertools.accumulate((len(p) for p in prompts), initial=0))
+        meta = AttentionMetadata(
+            torch.tensor(slots, device=dev),
+            torch.tensor(tables, dtype=torch.int32, device=dev),
+            torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev),
+            torch.tensor(starts, dtype=torch.int32, device=dev),
+        )
+        ids = torch.tensor([t for p in prompts for t in p], device=dev)
+        pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
+        logits = self.model.compute_logits(self.model(ids, pos, kv, meta))
+        return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(prompts))]
+
     def release(self) -> None:
         """Free the weights, the KV caches and the CUDA graphs (e.g. before another model loads in the same
-        process); the runner cannot run afterwards."""
+        process); the runner cannot run afterwards. Idempotent."""
+        if not hasattr(self, "model"):
+            return
         self._graphs.clear()
         self._graph_sizes = []
         self.use_cuda_graphs = False

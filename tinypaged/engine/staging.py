@@ -54,10 +54,14 @@ class Staging:
     back to back and read views of one device buffer. Decode graphs read fixed device buffers: ids, positions,
     slots and seq lens `[4, max_bs]` and block tables `[max_bs, max_blocks]`, filled by two device copies out
     of the same one host-to-device copy. On the CPU the host buffer is the device buffer.
+
+    `ids_from_rank0` (tensor-parallel ranks other than 0): input tokens pending on the device are not here; they
+    are staged as zeros and the runner overwrites the ids with rank 0's by broadcast.
     """
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, ids_from_rank0: bool = False) -> None:
         self.device = device
+        self.ids_from_rank0 = ids_from_rank0
         self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq
         seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -95,6 +99,8 @@ class Staging:
         end). The placeholders in the ids are zeros until `_fill_pending` runs on the device."""
         dst: list[int] = []
         src: list[int] = []
+        if self.ids_from_rank0:
+            scheduled = ()
         for i, s in enumerate(scheduled):
             missing = s.num_new_tokens - len(s.token_ids)
             if missing:

@@ -6,10 +6,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tinypaged import ops
 from tinypaged.config import ModelConfig
+from tinypaged.model.parallel import TPGroup
 
 
 @dataclass(frozen=True)
@@ -60,17 +62,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there."""
+    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
+    all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kv_start, kv_end = tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_end - kv_start
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul; the loader fills the three row ranges.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and tp.rank == 0)
         self.scale = self.head_dim**-0.5
+        self.tp = tp
 
     def forward(
         self,
@@ -97,30 +105,52 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
-        return self.o_proj(out.view(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused."""
+    """SwiGLU feed-forward with the gate and up projections fused; a rank holds its share of the inner
+    columns, and down_proj's partial sums are added by one all-reduce."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inner = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding, its rows split over the ranks: a rank embeds the ids in its vocabulary range (zero
+    rows for the others) and one all-reduce adds the ranks' rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.start, self.end, rows = tp.vocab(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -142,17 +172,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, hidden states out; `compute_logits` projects the rows that are sampled."""
+    """Token ids in, hidden states out; `compute_logits` projects the rows that are sampled. With a `tp` group
+    of several ranks, this rank's share of it (see `parallel.py`); every rank runs the same forward pass."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        rows = tp.vocab(cfg.vocab_size)[2]
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
         self.max_positions = max_positions
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
 
@@ -175,6 +207,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits `[N, vocab]` in fp32 of the given hidden rows."""
+        """Logits `[N, vocab]` in fp32 of the given hidden rows (on every rank: each computes its vocabulary
+        range, gathered in the model's dtype before the cast)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp.size > 1:
+            logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
+        return logits.float()

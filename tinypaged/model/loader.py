@@ -1,17 +1,21 @@
-"""Load a Hugging Face-style safetensors checkpoint (single file or sharded) straight into the model."""
+"""Load a Hugging Face-style safetensors checkpoint (single file or sharded) straight into the model, or into
+this rank's share of it under tensor parallelism (each rank reads only its slices)."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from tinypaged.config import ConfigError, ModelConfig
 from tinypaged.model.llama import LlamaForCausalLM
+from tinypaged.model.parallel import TPGroup
 
 # checkpoint name suffix -> (our parameter suffix, index of the shard inside a fused parameter)
 _FUSED = {
@@ -43,58 +47,64 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint, read one at a time, onto `device` directly when it can."""
-    load_device = "cpu" if device.type == "cpu" else str(device)
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device=load_device) as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types for bad headers and short files
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"cannot read checkpoint {file}: {type(e).__name__}: {e}") from e
+@dataclass(frozen=True)
+class _Piece:
+    """Where (part of) a checkpoint tensor goes: the parameter, the rows it fills there (a part of a fused
+    parameter, or the vocabulary rows a rank holds) and the part of the checkpoint tensor that this rank reads."""
+
+    target: str
+    rows: tuple[int, int] | None  # rows of the parameter (None: all of it)
+    src: tuple[slice, ...]  # the part of the checkpoint tensor read (all of it when no rank split it)
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}:{self.rows}"
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device, then materialise each parameter once on `device` in `dtype`
-    and copy the checkpoint tensors into it: no second copy of the weights is ever held."""
+    """Build the model (this rank's share of it, under tensor parallelism) on the meta device, then
+    materialise each parameter once on `device` in `dtype` and copy the checkpoint's slices into it: a rank
+    reads only its own slices from the safetensors files, and no second copy of the weights is ever held."""
+    tp = tp or TPGroup()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, tp)
+        whole = LlamaForCausalLM(cfg, max_positions) if tp.size > 1 else model  # shapes of the checkpoint's
+    full = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     params = dict(model.named_parameters())
     for name, p in params.items():
         owner, attr = _owner(model, name)
+        # Zeroed: the vocabulary padding rows of the last rank must hold zeros (their logits are cut off).
         setattr(
             owner,
             attr,
-            torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False),
+            torch.nn.Parameter(torch.zeros(p.shape, dtype=dtype, device=device), requires_grad=False),
         )
     params = dict(model.named_parameters())
     model.cos_sin_cache = torch.empty(0, device=device)
 
     loaded: set[str] = set()
-    for name, tensor in _tensors(checkpoint_files(cfg.path), device):
-        target, rows = _target(name, cfg)
-        if target is None:
-            continue  # e.g. rotary inv_freq buffers some checkpoints carry
-        if cfg.tie_word_embeddings and target == "lm_head.weight":
-            continue
-        if target not in params:
+    for name, piece, shape, tensor in _slices(checkpoint_files(cfg.path), cfg, tp):
+        if piece.target not in params:
             raise ConfigError(f"unexpected tensor {name!r} in checkpoint {cfg.path}")
-        dst = params[target].data
-        if rows is not None:
-            dst = dst[rows[0] : rows[1]]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ConfigError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)} from config.json"
-            )
-        dst.copy_(tensor)
-        loaded.add(f"{target}:{rows}")
+        whole_piece = _piece(name, cfg, TPGroup())
+        assert whole_piece is not None
+        want = _rows_shape(full[piece.target], whole_piece.rows)
+        if shape != want:
+            raise ConfigError(f"tensor {name!r} has shape {shape}, expected {want} from config.json")
+        dst = params[piece.target].data
+        if piece.rows is not None:
+            dst = dst[piece.rows[0] : piece.rows[1]]
+        src = tensor[piece.src]
+        dst[: src.shape[0]].copy_(src)  # fewer rows than dst only where the vocabulary is padded
+        loaded.add(piece.key)
 
-    expected = {f"{t}:{r}" for t, r in (_target(n, cfg) for n in _checkpoint_names(cfg))}
+    expected = {p.key for p in (_piece(n, cfg, tp) for n in _checkpoint_names(cfg)) if p is not None}
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError(
@@ -104,36 +114,79 @@ def load_model(
     return model.eval()
 
 
+def _slices(
+    files: list[Path], cfg: ModelConfig, tp: TPGroup
+) -> Iterator[tuple[str, _Piece, tuple[int, ...], Any]]:
+    """(name, where it goes, its shape in the checkpoint, a lazy safetensors slice of it) of every tensor this
+    rank loads, one at a time: indexing the slice reads only those bytes of the file."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    piece = _piece(name, cfg, tp)
+                    if piece is not None:
+                        tensor = f.get_slice(name)
+                        yield name, piece, tuple(tensor.get_shape()), tensor
+        except Exception as e:  # safetensors raises its own error types for bad headers and short files
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"cannot read checkpoint {file}: {type(e).__name__}: {e}") from e
+
+
 def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     """The module holding parameter `name` and the attribute name there."""
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str | None, tuple[int, int] | None]:
-    """Our parameter for a checkpoint tensor name, and the row range it fills inside a fused parameter."""
+def _rows_shape(shape: tuple[int, ...], rows: tuple[int, int] | None) -> tuple[int, ...]:
+    return shape if rows is None else (rows[1] - rows[0], *shape[1:])
+
+
+_ALL = (slice(None),)
+
+
+def _piece(name: str, cfg: ModelConfig, tp: TPGroup) -> _Piece | None:
+    """Where this rank puts a checkpoint tensor (None: nowhere, e.g. rotary buffers some checkpoints carry,
+    a tied LM head, or a row-parallel bias outside rank 0)."""
     if name.endswith("rotary_emb.inv_freq"):
-        return None, None
-    if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", None
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None
+        start, end, _ = tp.vocab(cfg.vocab_size)
+        target = "embed_tokens.weight" if name.startswith("model.") else "lm_head.weight"
+        return _Piece(target, (0, end - start) if tp.size > 1 else None, (slice(start, end),))
     if name == "model.norm.weight":
-        return "norm.weight", None
-    if name == "lm_head.weight":
-        return "lm_head.weight", None
+        return _Piece("norm.weight", None, _ALL)
     m = _LAYER.match(name)
     if not m:
-        return name, None  # reported as unexpected by the caller
+        return _Piece(name, None, _ALL)  # reported as unexpected by the caller
     layer, module, kind = m.groups()
     prefix = f"layers.{layer}."
+    d, inter = cfg.head_dim, cfg.intermediate_size
+    q0, q1 = (h * d for h in tp.split(cfg.num_heads))
+    kv0, kv1 = (h * d for h in tp.kv_heads(cfg.num_kv_heads))
+    i0, i1 = tp.split(inter)
+    if module in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: this rank's input columns
+        if kind == "bias":
+            return _Piece(f"{prefix}{module}.bias", None, _ALL) if tp.rank == 0 else None
+        lo, hi = (q0, q1) if module == "self_attn.o_proj" else (i0, i1)
+        return _Piece(f"{prefix}{module}.{kind}", None, (slice(None), slice(lo, hi)))
     if module not in _FUSED:
-        return f"{prefix}{module}.{kind}", None
-    fused, shard = _FUSED[module]
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    bounds = {
+        return _Piece(f"{prefix}{module}.{kind}", None, _ALL)
+    fused, part = _FUSED[module]
+    q, kv, il = q1 - q0, kv1 - kv0, i1 - i0
+    # This rank's rows of each part, and where they go in the fused parameter.
+    src = {
+        "self_attn.qkv_proj": [(q0, q1), (kv0, kv1), (kv0, kv1)],
+        "mlp.gate_up_proj": [(i0, i1), (i0, i1)],
+    }[fused][part]
+    dst = {
         "self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-        "mlp.gate_up_proj": [(0, inter), (inter, 2 * inter)],
-    }[fused]
-    return f"{prefix}{fused}.{kind}", bounds[shard]
+        "mlp.gate_up_proj": [(0, il), (il, 2 * il)],
+    }[fused][part]
+    return _Piece(f"{prefix}{fused}.{kind}", dst, (slice(*src),))
 
 
 def _checkpoint_names(cfg: ModelConfig) -> list[str]:

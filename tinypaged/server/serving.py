@@ -21,7 +21,7 @@ import msgspec
 from tinypaged.config import EngineConfig
 from tinypaged.engine.client import EngineClient
 from tinypaged.engine.inputs import check_logprob_entries, context_length_error, logprob_entries
-from tinypaged.errors import EngineError, RequestError
+from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
@@ -67,6 +67,13 @@ def internal_error(request_id: str, reason: str) -> APIError:
         f"The server failed to complete request {request_id}: {reason}. It was logged; please retry.",
         type="server_error",
         code="internal_error",
+    )
+
+
+def engine_unavailable(e: EngineDeadError) -> APIError:
+    """The engine has stopped (e.g. a tensor-parallel worker died): 503 until it is restarted."""
+    return APIError(
+        503, f"The server cannot serve requests: {e}.", type="server_error", code="engine_unavailable"
     )
 
 
@@ -236,6 +243,9 @@ class OpenAIServing:
                         "error" if out.error or not out.outputs else out.outputs[0].finish_reason
                     )
                 yield out
+        except EngineDeadError as e:
+            outcome = "error"
+            raise engine_unavailable(e) from e
         except EngineError as e:
             outcome = "error"
             raise internal_error(request_id, str(e)) from e
@@ -281,6 +291,8 @@ class OpenAIServing:
                 asyncio.ensure_future(self.engine.abort(f"{request_id}-{i}"))
             if isinstance(e, RequestError):
                 raise request_error(e, prompt_param) from e
+            if isinstance(e, EngineDeadError):
+                raise engine_unavailable(e) from e
             raise internal_error(request_id, str(e)) from e
         return merge([self._track(g, f"{request_id}-{i}") for i, g in enumerate(gens)])
 
