@@ -17,9 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from common import section as run_section
 from throughput import roofline
 
 from tinypaged import LLM, SamplingParams, ops
+from tinypaged.server.local import LocalServer
 
 SAMPLED = {
     "greedy": {"temperature": 0.0},
@@ -107,12 +105,6 @@ def sampler_alone(vocab: int, rows: int = 256, reps: int = 50) -> dict[str, Any]
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stream_one(
@@ -191,38 +183,14 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
 
 def serve_and_measure(model: str, work: Work, rate: float, max_model_len: int, budget: int) -> dict[str, Any]:
     """Start `tinypaged serve` with this token budget per step, run the burst and the Poisson run, stop it."""
-    port = free_port()
-    cmd = [sys.executable, "-c", "from tinypaged.cli import main; main()", "serve", "--model", model]
-    cmd += [
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-batched-tokens",
-        str(budget),
-    ]
-    log = open("/tmp/serving_speed_server.log", "w")  # noqa: SIM115 (kept open for the child)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if server.poll() is not None or time.perf_counter() - t0 > 600:
-                    raise RuntimeError(Path("/tmp/serving_speed_server.log").read_text()[-3000:]) from None
-                time.sleep(1)
+    flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
+    t0 = time.perf_counter()
+    with LocalServer(flags, start_timeout=600) as server:
         out: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
-        asyncio.run(http_run(url, work[:8], None))  # warm-up
-        out["burst"] = asyncio.run(http_run(url, work, None))
-        out["poisson"] = asyncio.run(http_run(url, work, rate))
+        asyncio.run(http_run(server.url, work[:8], None))  # warm-up
+        out["burst"] = asyncio.run(http_run(server.url, work, None))
+        out["poisson"] = asyncio.run(http_run(server.url, work, rate))
         return out
-    finally:
-        server.terminate()
-        server.wait(120)
-        log.close()
 
 
 # ---- table ---------------------------------------------------------------------------------------------------

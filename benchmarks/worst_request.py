@@ -3,10 +3,11 @@ docs/limits.md), one at a time, and /health's latency meanwhile.
 
     .venv/bin/python benchmarks/worst_request.py [--model DIR] [--only NAME ...]
 
-It starts `tinypaged serve` on the default model (CPU) as a subprocess, warms it, and for each request resets
-the process's peak resident set (`echo 5 > /proc/PID/clear_refs`), sends the request, and reads `VmHWM` (the
-peak since the reset) and `VmRSS` from /proc/PID/status: the request's peak is VmHWM minus the RSS before it,
-and RSS after minus before is what it left behind. A thread polls /health every 20 ms throughout.
+It starts `tinypaged serve` on the default model (CPU) as a subprocess (`tinypaged.server.local`), warms it, and
+for each request resets the process's peak resident set (`echo 5 > /proc/PID/clear_refs`), sends the request,
+and reads `VmHWM` (the peak since the reset) and `VmRSS` from /proc/PID/status: the request's peak is VmHWM
+minus the RSS before it, and RSS after minus before is what it left behind. A thread polls /health every 20 ms
+throughout.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import json
 import os
 import platform
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,17 +27,12 @@ from typing import Any
 from common import write_json
 
 from tinypaged import limits as L
+from tinypaged.server.local import LocalServer
 
 MAX_MODEL_LEN = 8192  # the default model's context
 VOCAB = 49152
 MAX_NUM_SEQS = 256
 BODY = 4 * 1024 * 1024  # the server's default --max-body-bytes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mib(pid: int) -> dict[str, float]:
@@ -195,33 +188,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/worst_request-cpu.json"))
     args = ap.parse_args()
 
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-c",
-        "from tinypaged.cli import main; main()",
-        "serve",
-        "--port",
-        str(port),
-        "--cpu-kv-cache-space",
-        str(args.kv_gib),
-    ]
-    if args.model:
-        cmd += ["--model", str(args.model)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start: {server.stderr.read() if server.stderr else ''}")
-            time.sleep(0.5)
+    flags = ["--cpu-kv-cache-space", str(args.kv_gib)] + (["--model", str(args.model)] if args.model else [])
+    with LocalServer(flags) as local:
+        server = local.proc
+        assert server is not None
+        port = int(local.url.rsplit(":", 1)[1])
         warm = {"prompt": "Hello", "max_tokens": 8, "logprobs": 5, "n": 2}
         post(port, "/v1/completions", json.dumps(warm).encode())
         base = mib(server.pid)
@@ -258,15 +229,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         health.stop = True
-    finally:
-        server.terminate()
-        server.wait(60)
 
     write_json(
         args.out,
         {
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "server": " ".join(cmd[1:]),
+            "server": "tinypaged serve " + " ".join(flags),
             "limits": {k: getattr(L, k) for k in dir(L) if k.isupper()},
             "rows": rows,
         },

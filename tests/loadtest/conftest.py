@@ -13,7 +13,7 @@ import pytest
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 sys.path.insert(0, str(LOADTEST))
 
-from local_server import LocalServer  # noqa: E402
+from tinypaged.server.local import LocalServer  # noqa: E402
 
 API_KEY = "load-key"
 LIMITS = {"max_num_seqs": 8, "max_queue_len": 8, "idle_timeout": 3, "max_body_bytes": 256 * 1024}
