@@ -11,8 +11,8 @@ of at most 30 s). At the end it checks, and exits 1 when one fails:
 - no 5xx but the documented 503s (`overloaded`, with Retry-After);
 - every normal request complete and well formed (one finish reason per choice, usage, [DONE]); every greedy one
   equal to the same prompt run alone before the load (with `--tie-tolerance T`, a greedy run may instead part
-  from it at a token whose two best log-probabilities, alone, were within T: batched float arithmetic may
-  break such near-ties either way on a GPU);
+  from it at a token that, alone, was among the best five and within T of the best in log-probability:
+  batched float arithmetic may break such near-ties either way on a GPU);
 - every fault answered as documented (4xx JSON for bad bodies, 408 for a body that never arrives, the
   connection closed for a silent client, 503 or a complete answer in a burst);
 - after the load, nothing running or waiting and every KV block free (from `/metrics`);
@@ -53,6 +53,7 @@ KINDS = {
     "silent_connection": 0.3,
 }
 MIB = 2**20
+TOP = 5  # alternatives logged per token of the greedy references
 
 
 @dataclass
@@ -74,7 +75,9 @@ class Tally:
     outcomes: dict[str, Counter] = field(default_factory=dict)
     statuses: Counter = field(default_factory=Counter)
     greedy: Counter = field(default_factory=Counter)
-    gaps: list[float | None] = field(default_factory=list)  # where greedy runs parted: the alone top-2 gap
+    # Where greedy runs parted: how far, alone, the token taken under load was below the best (None: not in
+    # the alone run's best five).
+    gaps: list[float | None] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
     def note(self, kind: str, outcome: str, status: int | None = None) -> None:
@@ -117,11 +120,11 @@ class Soak:
         return request_body(path, prompt, max_tokens, model=self.args.model, **sampling)
 
     async def make_references(self, session: aiohttp.ClientSession) -> None:
-        """The greedy pool, each prompt run alone (one at a time, before any load), with top-2 logprobs."""
+        """The greedy pool, each prompt run alone (one at a time, before any load), with top-5 logprobs."""
         rng = random.Random(self.args.seed)
         for i in range(self.args.references):
             path = CHAT if i % 2 else COMPLETIONS
-            logprobs = {"logprobs": True, "top_logprobs": 2} if path == CHAT else {"logprobs": 2}
+            logprobs = {"logprobs": True, "top_logprobs": TOP} if path == CHAT else {"logprobs": TOP}
             ref = Reference(
                 path, self._body(rng, path, self.output_len.sample(rng), temperature=0.0, **logprobs)
             )
@@ -139,16 +142,16 @@ class Soak:
             self.refs.append(ref)
 
     def compare(self, ref: Reference, s: Stream) -> str:
-        """'equal', 'near_tie' (parted where the reference's two best tokens were within the tolerance) or
+        """'equal', 'near_tie' (parted at a token that, alone, was within the tolerance of the best) or
         'differ'."""
         if s.text.get(0, "") == ref.text:
             return "equal"
         k = next((i for i, (a, b) in enumerate(zip(s.tokens, ref.tokens, strict=False)) if a != b), None)
-        if k is not None and k < len(ref.top) and len(ref.top[k]) >= 2:
-            best = sorted(ref.top[k].values(), reverse=True)
-            gap = best[0] - best[1]
-            self.tally.gaps.append(round(gap, 4) if s.tokens[k] in ref.top[k] else None)
-            if gap <= self.args.tie_tolerance and s.tokens[k] in ref.top[k]:
+        if k is not None and k < len(ref.top) and ref.top[k]:
+            taken = ref.top[k].get(s.tokens[k])
+            gap = None if taken is None else max(ref.top[k].values()) - taken
+            self.tally.gaps.append(None if gap is None else round(gap, 4))
+            if gap is not None and gap <= self.args.tie_tolerance:
                 return "near_tie"
         return "differ"
 
@@ -543,7 +546,12 @@ def _gap_summary(gaps: list[float | None]) -> dict:
         if known
         else {}
     )
-    return {"partings": len(gaps), "not_in_top2": gaps.count(None), **q, "max": known[-1] if known else None}
+    return {
+        "partings": len(gaps),
+        f"not_in_top{TOP}": gaps.count(None),
+        **q,
+        "max": known[-1] if known else None,
+    }
 
 
 def _mib(value: float | None) -> float | None:
@@ -559,7 +567,7 @@ def summary_lines(report: dict) -> list[str]:
         "statuses: " + ", ".join(f"{k}: {v}" for k, v in report["statuses"].items()),
         "greedy vs alone: "
         + (", ".join(f"{k} {v}" for k, v in report["greedy"].items()) or "none")
-        + f"; where they parted, alone top-2 gaps: {report['parting_gaps']}",
+        + f"; where they parted, the token taken below the best alone by: {report['parting_gaps']}",
         f"end: {s['running']:.0f} running, {s['waiting']:.0f} waiting, {s['free_blocks']:.0f} of "
         f"{s['total_blocks']:.0f} KV blocks free; aborted requests {s['aborted_requests']:.0f}",
         f"server RSS: {s['rss_mib_before']} MiB before, {s['rss_mib_after_warmup']} after warm-up, "

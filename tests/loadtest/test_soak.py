@@ -63,7 +63,7 @@ def test_the_end_checks_fail_when_they_should() -> None:
 
 def test_greedy_comparison_and_near_ties() -> None:
     ref = Reference("/v1/completions", {}, "a b c", [" a", " b", " c"])
-    ref.top = [{" a": -0.1, " x": -3.0}, {" b": -0.50, " y": -0.52}, {" c": -0.2, " z": -2.0}]
+    ref.top = [{" a": -0.1, " x": -3.0}, {" b": -0.50, " y": -0.52, " v": -0.53}, {" c": -0.2, " z": -2.0}]
 
     def stream(tokens: list[str]) -> Stream:
         s = Stream(start=0.0)
@@ -76,5 +76,6 @@ def test_greedy_comparison_and_near_ties() -> None:
     assert exact.compare(ref, parted_at_tie) == "differ"
     assert tolerant.compare(ref, parted_at_tie) == "near_tie"  # 0.02 apart at the token where they parted
     assert tolerant.compare(ref, stream([" x", " b", " c"])) == "differ"  # 2.9 apart: a real difference
-    assert tolerant.compare(ref, stream([" a", " w", " c"])) == "differ"  # not among the reference's best two
-    assert tolerant.tally.gaps == [0.02, 2.9, None]  # each parting's gap, for the report
+    assert tolerant.compare(ref, stream([" a", " v", " c"])) == "near_tie"  # third best alone, 0.03 below
+    assert tolerant.compare(ref, stream([" a", " w", " c"])) == "differ"  # not among the reference's best
+    assert tolerant.tally.gaps == [0.02, 2.9, 0.03, None]  # each parting's gap, for the report
