@@ -171,9 +171,7 @@ class Soak:
         self.tally.greedy[verdict] += 1
         self.tally.note("greedy", "complete", 200)
         if verdict == "differ":
-            self.tally.violate(
-                f"greedy {ref.path}: {reply.stream.text.get(0, '')[:60]!r} != alone {ref.text[:60]!r}"
-            )
+            self.tally.violate(f"greedy {ref.path}: {_parting(reply.stream.text.get(0, ''), ref.text)}")
 
     async def sampled(self, session: aiohttp.ClientSession, rng: random.Random) -> None:
         """A sampled request (n of 1 or 2, a seed, EOS honoured), streamed or whole: complete and well formed."""
@@ -537,6 +535,15 @@ def _dechunk(data: bytes) -> bytes:
         out += data[end + 2 : end + 2 + size]
         i = end + 2 + size + 2
     return bytes(out)
+
+
+def _parting(text: str, alone: str) -> str:
+    """Where two texts part, with a little context either side."""
+    k = next(
+        (i for i, (a, b) in enumerate(zip(text, alone, strict=False)) if a != b), min(len(text), len(alone))
+    )
+    lo = max(0, k - 20)
+    return f"from character {k}: {text[lo : k + 30]!r} != alone {alone[lo : k + 30]!r}"
 
 
 def _gap_summary(gaps: list[float | None]) -> dict:
