@@ -39,6 +39,11 @@ class LLM:
         afterwards."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, e.g. between benchmark runs of the same prompts (vLLM's name); False while
+        requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name)."""
         return self.engine.tokenizer

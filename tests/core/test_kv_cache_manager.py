@@ -405,3 +405,32 @@ def test_check_integrity_catches_corruption() -> None:
     kv.gpu_pool.blocks[kv.get_block_table(0)[0]].ref_count += 1
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_a_sequence_that_does_not_read_the_cache_gets_no_hit_and_is_not_counted() -> None:
+    kv = make(num_gpu=10, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    cached_then_freed(kv, shadow, 0, list(range(12)))
+    scored = Sequence(1, list(range(12)) + [5])
+    hit = kv.lookup_prefix(scored, read=False)
+    assert hit.num_tokens == 0 and not hit.queried
+    kv.take_prefix(scored, hit)
+    assert (kv.num_prefix_queried_blocks, kv.num_prefix_hit_blocks) == (0, 0)
+    compute(kv, shadow, scored, 13)  # its own copies of the blocks; the cached ones stay findable
+    assert kv.lookup_prefix(Sequence(2, list(range(12)) + [6])).num_tokens == 12
+    kv.check_integrity(waiting_seq_ids=[2])
+
+
+def test_reset_prefix_cache_only_when_no_block_is_held() -> None:
+    kv = make(num_gpu=10, enable_prefix_caching=True)
+    shadow = ShadowCache(4)
+    cached_then_freed(kv, shadow, 0, list(range(12)))
+    held = Sequence(1, [50 + i for i in range(9)])
+    compute(kv, shadow, held, 9)
+    assert not kv.reset_prefix_cache()  # a block is held: nothing changes
+    assert kv.lookup_prefix(Sequence(2, list(range(12)) + [7])).num_tokens == 12
+    kv.free(1)
+    assert kv.reset_prefix_cache()
+    assert kv.gpu_pool.num_cached_blocks == 0 and kv.num_free_gpu_blocks == 10
+    assert kv.lookup_prefix(Sequence(3, list(range(12)) + [7])).num_tokens == 0
+    kv.check_integrity(waiting_seq_ids=[2, 3])

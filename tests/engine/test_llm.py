@@ -142,6 +142,27 @@ def test_prompt_logprobs_match_gguf_oracle(oracle_model, llm: LLM) -> None:
         assert entry[token].rank == int((want[pos] > want[pos, token]).sum()) + 1
 
 
+def test_prompt_logprobs_with_its_prefix_cached(llm: LLM) -> None:
+    # Prefix caching is on by default; a scored prompt runs whole although its blocks are in the cache.
+    prompt = " ".join(PROMPTS * 6)  # several full blocks
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    [first] = llm.generate([prompt], [scored])
+    [plain] = llm.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=1)])  # its blocks hit
+    hits = llm.engine.stats().prefix_cache_hits_total
+    assert hits > 0
+    [again] = llm.generate([prompt], [scored])
+    assert llm.engine.stats().prefix_cache_hits_total == hits  # not read for the scored prompt
+    assert first.prompt_logprobs is not None and again.prompt_logprobs is not None
+    assert len(again.prompt_logprobs) == len(first.prompt_logprobs) == len(first.prompt_token_ids)
+    for a, b in zip(first.prompt_logprobs[1:], again.prompt_logprobs[1:], strict=True):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
+    assert again.outputs[0].token_ids == plain.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache()  # nothing running: the cache empties, and the prompt hits nothing
+    llm.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=1)])
+    assert llm.engine.stats().prefix_cache_hits_total == hits
+
+
 @pytest.mark.parametrize(
     "prompt,params,message",
     [

@@ -101,6 +101,16 @@ class BlockPool:
         self._next_content_id += 1
         return block_id
 
+    def reset_cache(self) -> bool:
+        """Forget every cached block (as vLLM's reset_prefix_cache); only when no block is held, else False."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block_id in self._cached.values():
+            block = self.blocks[block_id]
+            block.block_hash = block.parent_id = block.token_ids = None
+        self._cached.clear()
+        return True
+
     def content_id(self, block_id: int) -> int:
         """The identity of the block's current content (changes whenever the block is reallocated)."""
         return self.blocks[block_id].content_id

@@ -22,9 +22,11 @@ class PrefixHit:
     # Per hit block: (chained hash, content_id the next block chains to), as cache_block records them.
     block_hashes: tuple[tuple[BlockHash, int], ...]
     num_tokens: int  # tokens these blocks hold: the sequence's num_computed_tokens once they are taken
+    queried: bool = True  # False: the cache was not read for this sequence (it counts in no hit rate)
 
 
 _NO_HIT = PrefixHit((), (), 0)
+_NOT_READ = PrefixHit((), (), 0, queried=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +252,14 @@ class KVCacheManager:
         return list(mapping.items())
 
     # ---- prefix caching ------------------------------------------------------------------------------
-    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
-        """The cached full blocks a new sequence's tokens begin with; reads the pool only, takes nothing."""
+    def lookup_prefix(self, seq: Sequence, read: bool = True) -> PrefixHit:
+        """The cached full blocks a new sequence's tokens begin with; reads the pool only, takes nothing.
+        `read=False`: no hit, for a sequence whose every prompt token must run (its prompt is scored); its
+        blocks are still cached for others as it computes them."""
         if not self.enable_prefix_caching:
             return _NO_HIT
+        if not read:
+            return _NOT_READ
         assert seq.seq_id not in self._tables and seq.num_computed_tokens == 0, "not a new sequence"
         hashes = self._waiting_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
@@ -286,8 +292,14 @@ class KVCacheManager:
             assert self.gpu_pool.content_id(block_id) == content_id, f"stale prefix hit on block {block_id}"
             self.gpu_pool.incref(block_id)
         self._block_hashes[seq.seq_id] = list(hit.block_hashes)
-        self.num_prefix_queried_blocks += self._num_prefix_candidates(seq)
-        self.num_prefix_hit_blocks += len(hit.block_ids)
+        if hit.queried:
+            self.num_prefix_queried_blocks += self._num_prefix_candidates(seq)
+            self.num_prefix_hit_blocks += len(hit.block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (benchmarks start cold this way); False, changing nothing, while any GPU block
+        is held."""
+        return self.gpu_pool.reset_cache()
 
     def _num_prefix_candidates(self, seq: Sequence) -> int:
         # Never the whole sequence: its last token must go through the model so that logits come out. And only

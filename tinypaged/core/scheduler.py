@@ -264,7 +264,7 @@ class Scheduler:
             if self.running and num_running_seqs + len(seqs) > self.config.max_num_seqs:
                 return
             # Look without taking: a group refused here leaves the KV cache manager exactly as it found it.
-            hits = {seq.seq_id: self.kv.lookup_prefix(seq) for seq in seqs}
+            hits = {seq.seq_id: self.kv.lookup_prefix(seq, group.reads_prefix_cache) for seq in seqs}
             items = self._chunk(seqs, st, hits)
             # The watermark keeps room for running sequences to grow; with nothing running it only stalls.
             reserve = self.kv.watermark_blocks if self.running else 0

@@ -96,6 +96,8 @@ class SequenceGroup:
     request_id: str
     seqs: list[Sequence]
     arrival_time: float
+    # False: the prompt must run whole (its tokens are scored), so no prefix-cache hit is taken for it.
+    reads_prefix_cache: bool = True
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         """All sequences, or those with the given status."""

@@ -51,11 +51,6 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify()
-        if params.prompt_logprobs is not None and cfg.enable_prefix_caching:
-            raise RequestError(
-                "prompt_logprobs cannot be used with prefix caching (cached prompt tokens are not run)",
-                "prompt_logprobs",
-            )
         if params.num_seqs > cfg.max_num_seqs:
             # One request's sequences are scheduled together (they share the prompt's blocks): all must fit.
             name = "best_of" if params.best_of is not None else "n"

@@ -167,7 +167,10 @@ class LLMEngine:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
-        group = SequenceGroup(request.request_id, [seq], time.monotonic())
+        # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
+        group = SequenceGroup(
+            request.request_id, [seq], time.monotonic(), reads_prefix_cache=params.prompt_logprobs is None
+        )
         req = Request(group, request.prompt, list(ids), params, self._strategy(params, len(ids)))
         self.output.start(req)
         self._requests[request.request_id] = req
@@ -227,6 +230,10 @@ class LLMEngine:
             prefix_cache_queries_total=kv.num_prefix_queried_blocks,
             prefix_cache_hits_total=kv.num_prefix_hit_blocks,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
+        return not self._requests and self.kv.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """The KV cache manager's invariants (AssertionError if broken); call it between steps."""
