@@ -114,10 +114,14 @@ def generate_with_stats(
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams],
     time_device: bool = True,
+    cold: bool = True,
 ) -> tuple[list[RequestOutput], list[StepStats]]:
     """What `LLM.generate` does (every request checked, then queued, then steps until all finish), keeping
-    every step's statistics; the outputs come back in the prompts' order."""
+    every step's statistics; the outputs come back in the prompts' order. With `cold`, the prefix cache is
+    emptied first: a workload run again on the same engine starts as cold as the first time."""
     engine = llm.engine
+    if cold:
+        llm.reset_prefix_cache()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     prefix = f"bench-{time.monotonic_ns()}-"

@@ -17,7 +17,11 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +42,20 @@ SAMPLED = {
 }
 
 
-def offline(llm: LLM, work: Work, name: str) -> dict[str, Any]:
-    """W1 through the engine's own loop with the `name` sampling settings (a seed per request)."""
+def offline(llm: LLM, work: Work, name: str, cold: bool = True) -> dict[str, Any]:
+    """W1 through the engine's own loop with the `name` sampling settings (a seed per request). `cold`: the
+    prefix cache emptied first (else it holds what earlier runs left, which this run's blocks evict)."""
     kw = SAMPLED[name]
     params = [
         SamplingParams(max_tokens=o, ignore_eos=True, seed=None if name == "greedy" else i, **kw)
         for i, (_, o) in enumerate(work)
     ]
     prompts = [{"prompt_token_ids": p} for p, _ in work]
-    llm.generate(prompts[:4], params[:4])  # warm-up
+    # Warm-up on the first prompts reversed: the same shapes, no prefix the measured run could hit.
+    llm.generate([{"prompt_token_ids": p[::-1]} for p, _ in work[:4]], params[:4])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs, stats = generate_with_stats(llm, prompts, params, time_device=False)
+    outs, stats = generate_with_stats(llm, prompts, params, time_device=False, cold=cold)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(o for _, o in work)
@@ -58,6 +64,7 @@ def offline(llm: LLM, work: Work, name: str) -> dict[str, Any]:
         "output_tokens": n_out,
         "output_tokens_per_s": n_out / elapsed,
         "steps": len(stats),
+        "step_s_total": sum(s.total_s for s in stats),  # the engine's host time in steps
         "host_sample_s": sum(s.sample_s for s in stats),  # queuing the sampling pass
         "host_wait_s": sum(s.wait_s for s in stats),  # waiting for sampled tokens
     }
@@ -161,12 +168,24 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
     rng = np.random.default_rng(seed)
     delays = np.zeros(len(work)) if rate is None else np.cumsum(rng.exponential(1 / rate, len(work)))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    steps, step_s = "tinypaged:engine_steps_total", "tinypaged:engine_step_seconds_sum"
+    before = await asyncio.to_thread(scrape, url)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(stream_one(session, url, p, o, float(d)) for (p, o), d in zip(work, delays, strict=True))
         )
         elapsed = time.perf_counter() - t0
+    after = await asyncio.to_thread(scrape, url)
+    n_steps = after[steps] - before[steps]
+    # Where HTTP's time goes: the engine thread's step time against the run's wall time (the rest is the
+    # engine waiting for the event loop between steps, or idle), and the steps' mean against offline's.
+    engine = {
+        "steps": n_steps,
+        "step_s_total": after[step_s] - before[step_s],
+        "busy_fraction": (after[step_s] - before[step_s]) / elapsed,
+        "mean_step_ms": 1e3 * (after[step_s] - before[step_s]) / max(1.0, n_steps),
+    }
     ok = [r for r in results if r["error"] is None]
     tokens = sum(r["tokens"] for r in ok)
     return {
@@ -178,19 +197,99 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
         "output_tokens_per_s": tokens / elapsed,
         "ttft": pct([r["ttft"] for r in ok]),
         "itl": pct([x for r in ok for x in r["itl"]]),
+        "engine": engine,
     }
 
 
-def serve_and_measure(model: str, work: Work, rate: float, max_model_len: int, budget: int) -> dict[str, Any]:
-    """Start `tinypaged serve` with this token budget per step, run the burst and the Poisson run, stop it."""
+def serve_and_measure(
+    model: str, works: tuple[Work, Work], rate: float, max_model_len: int, budget: int, multi_turn: bool
+) -> dict[str, Any]:
+    """Start `tinypaged serve` with this token budget per step, run the burst (of `works[0]`), the Poisson run
+    (of `works[1]`: other prompts, so that the prefix cache holds none of them) and, with `multi_turn`, the
+    multi-turn chats; stop it."""
     flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
     t0 = time.perf_counter()
     with LocalServer(flags, start_timeout=600) as server:
         out: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
-        asyncio.run(http_run(server.url, work[:8], None))  # warm-up
-        out["burst"] = asyncio.run(http_run(server.url, work, None))
-        out["poisson"] = asyncio.run(http_run(server.url, work, rate))
+        asyncio.run(http_run(server.url, [(p[::-1], o) for p, o in works[0][:8]], None))  # warm-up
+        out["burst"] = asyncio.run(http_run(server.url, works[0], None))
+        out["poisson"] = asyncio.run(http_run(server.url, works[1], rate))
+        if multi_turn:
+            try:
+                out["multi_turn"] = multi_turn_run(server.url)
+            except Exception as e:  # noqa: BLE001 - recorded; the burst and Poisson figures stand
+                out["multi_turn"] = {"error": f"{type(e).__name__}: {e}"}
         return out
+
+
+# Synthetic chats whose turns resend the whole history: what prefix caching is for. (The random models'
+# tokenizer encodes text byte by byte: 20-40 words are ~150-300 tokens, and a 4-turn history stays in 2048.)
+MULTI_TURN = [
+    "--dataset", "multi-turn", "--num-prompts", "48", "--turns", "3-4", "--prompt-len", "20-40",
+    "--output-len", "16-32", "--request-rate", "4", "--seed", "5",
+]  # fmt: skip
+
+
+def multi_turn_run(url: str) -> dict[str, Any]:
+    """loadtest/bench_serving.py's multi-turn workload against `url`; its summary and the server's prefix-cache
+    hit rate over the run."""
+    bench = Path(__file__).resolve().parents[1] / "loadtest" / "bench_serving.py"
+    hits0, queries0 = prefix_counters(url)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "multi_turn.json"
+        cmd = [sys.executable, str(bench), "--url", url, *MULTI_TURN, "--out", str(out)]
+        # Exit status 1 means some requests failed: they are counted in the summary, which is what we keep.
+        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+        summary = json.loads(out.read_text())["runs"][0]["summary"]
+    hits1, queries1 = prefix_counters(url)
+    keys = ("completed", "failed", "errors", "duration_s", "total_input_tokens", "output_throughput")
+    res = {k: summary[k] for k in keys} | {"ttft_ms": summary["ttft_ms"], "itl_ms": summary["itl_ms"]}
+    res["prefix_hit_rate"] = (hits1 - hits0) / max(1.0, queries1 - queries0)
+    return res
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics samples by name (labels dropped; one model, so one sample per name)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    """The server's prefix-cache hit and query counters (blocks)."""
+    m = scrape(url)
+    return m.get("tinypaged:prefix_cache_hits_total", 0.0), m.get("tinypaged:prefix_cache_queries_total", 0.0)
+
+
+def multi_turn_without_prefix_caching(model: str, max_model_len: int, budget: int) -> dict[str, Any]:
+    """The multi-turn chats against a server with prefix caching off, for comparison."""
+    flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
+    with LocalServer([*flags, "--no-enable-prefix-caching"], start_timeout=600) as server:
+        return multi_turn_run(server.url)
+
+
+def prefix_caching_cost(
+    on: list[dict[str, Any]], model: str, works: list[Work], max_model_len: int, budget: int
+) -> dict[str, Any]:
+    """W1 greedy with prefix caching off on `works`, beside the runs `on` made with it on (the default), on
+    workloads with no shared prefix."""
+    llm_off = LLM(
+        model=model, max_model_len=max_model_len, max_num_batched_tokens=budget, enable_prefix_caching=False
+    )
+    off = [offline(llm_off, w, "greedy") for w in works]
+    free_llm(llm_off)
+    ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(on, off, strict=True)]
+    return {
+        "on_tok_s": [r["output_tokens_per_s"] for r in on],
+        "off_tok_s": [r["output_tokens_per_s"] for r in off],
+        "on_over_off": ratios,
+        "mean_on_over_off": sum(ratios) / len(ratios),
+    }
 
 
 # ---- table ---------------------------------------------------------------------------------------------------
@@ -237,6 +336,15 @@ def table(res: dict[str, Any]) -> str:
             "-",
             None,
         )
+        eng, g = burst.get("engine"), off["greedy"]
+        if eng and "step_s_total" in g:
+            row(
+                "  engine steps: busy share of the run; steps and mean step, HTTP vs offline",
+                f"{eng['busy_fraction']:.1%}; {eng['steps']:.0f} vs {g['steps']}, {eng['mean_step_ms']:.2f} vs "
+                f"{1e3 * g['step_s_total'] / g['steps']:.2f} ms",
+                "-",
+                None,
+            )
     if poisson:
         row(
             f"Poisson {poisson['rate']:g} req/s: TTFT p99",
@@ -249,6 +357,24 @@ def table(res: dict[str, Any]) -> str:
             f"{poisson['itl']['p99_ms']:.1f} ms (p50 {poisson['itl']['p50_ms']:.1f})",
             "<= 25 ms",
             poisson["itl"]["p99_ms"] <= 25,
+        )
+    pc = res.get("prefix_caching")
+    if isinstance(pc, dict) and "mean_on_over_off" in pc:
+        row(
+            "W1 greedy, prefix caching on / off (no shared prefixes)",
+            " / ".join(f"{r:.1%}" for r in pc["on_over_off"]) + f" (mean {pc['mean_on_over_off']:.1%})",
+            ">= 99%",
+            pc["mean_on_over_off"] >= 0.99,
+        )
+    mt_on, mt_off = srv.get("multi_turn"), res.get("multi_turn_no_prefix_caching")
+    if isinstance(mt_on, dict) and isinstance(mt_off, dict) and "ttft_ms" in mt_off:
+        a, b = mt_on["ttft_ms"], mt_off["ttft_ms"]
+        row(
+            "multi-turn chats: TTFT p50 / p99, prefix caching on vs off",
+            f"{a['median']:.0f} / {a['p99']:.0f} ms vs {b['median']:.0f} / {b['p99']:.0f} ms "
+            f"(hit rate {mt_on['prefix_hit_rate']:.0%})",
+            "visibly lower",
+            a["median"] < b["median"],
         )
     lat = res.get("latency", {}).get("graphs")
     if lat:
@@ -300,7 +426,9 @@ def main() -> None:
         default=[2048],
         help="max_num_batched_tokens; the first is the main run's",
     )
-    ap.add_argument("--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "server"])
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "prefix", "server"]
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
     args = ap.parse_args()
 
@@ -328,7 +456,17 @@ def main() -> None:
         section("sampler_alone", lambda: sampler_alone(cfg.vocab_size))
     if "latency" not in args.skip:
         section("latency", lambda: run_latency(llm))
+    prefix_works = [make_workload(args.num_requests, cfg.vocab_size, args.seed + k) for k in (1, 2)]
+    if "prefix" not in args.skip:
+        # Prefix caching on (the default), its cache full of the runs above, which these evict as they go.
+        section("prefix_on", lambda: [offline(llm, w, "greedy", cold=False) for w in prefix_works])
     free_llm(llm)
+    if "prefix" not in args.skip and isinstance(res.get("prefix_on"), list):
+        on = res.pop("prefix_on")
+        section(
+            "prefix_caching",
+            lambda: prefix_caching_cost(on, args.model, prefix_works, args.max_model_len, budgets[0]),
+        )
     # The token budget per step: W1 offline (greedy) and over HTTP at each of the other budgets.
     res["by_budget"] = {budgets[0]: {"offline_greedy": res.get("offline", {}).get("greedy")}}
     for budget in budgets[1:]:
@@ -337,13 +475,22 @@ def main() -> None:
         res["by_budget"][budget] = {"offline_greedy": res.pop("offline_budget")}
         free_llm(llm)
     if "server" not in args.skip:
+        works = (work, make_workload(args.num_requests, cfg.vocab_size, args.seed + 1))
         for budget in budgets:
+            multi_turn = budget == budgets[0] and "prefix" not in args.skip
             section(
                 "server_budget",
-                lambda b=budget: serve_and_measure(args.model, work, args.rate, args.max_model_len, b),
+                lambda b=budget, m=multi_turn: serve_and_measure(
+                    args.model, works, args.rate, args.max_model_len, b, m
+                ),
             )
             res["by_budget"][budget].update(res.pop("server_budget"))
         res["server"] = res["by_budget"][budgets[0]]
+        if "prefix" not in args.skip:
+            section(
+                "multi_turn_no_prefix_caching",
+                lambda: multi_turn_without_prefix_caching(args.model, args.max_model_len, budgets[0]),
+            )
     res["table"] = table(res)
     write_json(args.out, res)
     if os.environ.get("OUT"):
