@@ -9,6 +9,7 @@ from typing import Any
 from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
+from tinypaged.engine.structured import wait_grammar
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -50,8 +51,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs come back in the prompts' order.
 
-        All requests are checked before any runs, so a bad one raises RequestError (a ValueError naming the
-        parameter) and nothing is left queued.
+        All requests are checked (their grammars compiled) before any runs, so a bad one raises RequestError
+        (a ValueError naming the parameter) and nothing is left queued.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -71,6 +72,8 @@ class LLM:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         self._next_id += len(requests)
+        for request in requests:  # their grammars compile in parallel; a bad one is refused before any runs
+            wait_grammar(request)
         for request in requests:
             self.engine.add(request)
         done: dict[str, RequestOutput] = {}
