@@ -17,7 +17,10 @@ HERMES = (
     '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
 )
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
-REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"zone": "UTC"}}]'
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+    '{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+)
 
 
 def _parse(mode: str, text: str, piece: int) -> tuple[str, list[tuple[str, dict]], list[int]]:
