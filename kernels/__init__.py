@@ -2,12 +2,14 @@
 
 from .activation import silu_and_mul
 from .attention import paged_attention
+from .bitmask import apply_token_bitmask
 from .cache import copy_blocks, write_kv
 from .norm import rms_norm
 from .rotary import rotary_embedding
 from .sampling import sample
 
 __all__ = [
+    "apply_token_bitmask",
     "copy_blocks",
     "paged_attention",
     "rms_norm",

@@ -1,4 +1,4 @@
-"""The sampling kernel compiles for the H200 (sm_90) here, without a GPU: Triton's interpreter, which the
+"""The sampling and bitmask kernels compile for the H200 (sm_90) here, without a GPU: Triton's interpreter, which the
 kernel tests use, accepts code that the compiler rejects (a constexpr assigned in a loop, say)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tinypaged.kernels.bitmask import _apply_bitmask_kernel
 from tinypaged.kernels.sampling import _sample_kernel
 
 
@@ -26,4 +27,19 @@ def test_sampling_kernel_compiles_for_hopper() -> None:
     }
     src = ASTSource(fn=_sample_kernel, signature=signature, constexprs={"MAX_ROUNDS": 256, "BLOCK": 4096})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert "cubin" in kernel.asm
+
+
+def test_bitmask_kernel_compiles_for_hopper() -> None:
+    signature = {
+        "logits_ptr": "*fp32",
+        "stride": "i64",
+        "bitmask_ptr": "*i32",
+        "mask_stride": "i64",
+        "rows_ptr": "*i32",
+        "vocab": "i32",
+        "BLOCK": "constexpr",
+    }
+    src = ASTSource(fn=_apply_bitmask_kernel, signature=signature, constexprs={"BLOCK": 4096})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm

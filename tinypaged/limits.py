@@ -20,3 +20,10 @@ REPETITION_PENALTY = (0.01, 2.0)  # logits divided (or multiplied) by it stay fi
 PENALTY = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
 TEMPERATURE = (0.0, 2.0)  # OpenAI's range
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+# Structured outputs (engine/structured.py): a JSON schema (as JSON text), regex, grammar or choices together.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+# A grammar that takes longer to compile (and to compute its first token mask) is refused with a 400.
+# llguidance's own limits (LLParserLimits' defaults) bound each later step's mask; past them the request fails.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+MAX_TOOLS = 128  # functions in one chat request's `tools`

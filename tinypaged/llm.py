@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tinypaged.config import EngineConfig
+from tinypaged.engine.inputs import wait_grammar
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
 from tinypaged.outputs import RequestOutput
@@ -55,8 +56,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs come back in the prompts' order.
 
-        All requests are checked before any runs, so a bad one raises RequestError (a ValueError naming the
-        parameter) and nothing is left queued.
+        All requests are checked (their grammars compiled) before any runs, so a bad one raises RequestError
+        (a ValueError naming the parameter) and nothing is left queued.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -76,6 +77,8 @@ class LLM:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         self._next_id += len(requests)
+        for request in requests:  # their grammars compile in parallel; a bad one is refused before any runs
+            wait_grammar(request)
         for request in requests:
             self.engine.add(request)
         done: dict[str, RequestOutput] = {}

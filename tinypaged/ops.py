@@ -166,6 +166,17 @@ def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 
+def ref_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs' mask, in place: `logits[rows[i], j] = -inf` wherever bit j of `bitmask[i]` is 0
+    (bitmask: int32 `[N, ceil(vocab / 32)]`, bit j of word w allows token 32 w + j; rows: `[N]` indices into
+    `logits` `[R, vocab]`). Columns past the bitmask's 32 x words are left as they are."""
+    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    idx = rows.long()
+    logits[idx, :vocab] = logits[idx, :vocab].masked_fill(~allowed, float("-inf"))
+
+
 # Sampling: a row's draw is a pure function of its logits, its parameters and its 64-bit key (no RNG state), so a
 # seeded request repeats whatever else is in the batch. The kernel and this reference run the same algorithm.
 SAMPLE_MAX_ROUNDS = (
@@ -361,6 +372,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return kernel(x)
     return ref_silu_and_mul(x)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set the logits of the tokens each row's grammar forbids to -inf, in place (see `ref_apply_token_bitmask`)."""
+    if uses_triton(logits):
+        from tinypaged.kernels import apply_token_bitmask as kernel
+
+        return kernel(logits, bitmask, rows)
+    return ref_apply_token_bitmask(logits, bitmask, rows)
 
 
 def sample(logits: torch.Tensor, params: SampleParams) -> torch.Tensor:

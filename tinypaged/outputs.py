@@ -38,9 +38,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    # Why the request ended early: it can never fit in the cache ("ignored": the request's own size), or it
-    # failed inside the engine ("internal": a fault the engine isolated to it; the message holds no internals).
+    # Why the request ended early: it can never fit in the cache ("ignored": the request's own size), its
+    # grammar did not compile ("invalid": refused after it was queued, by a client that did not wait for the
+    # compile), or it failed inside the engine ("internal": a fault the engine isolated to it; the message
+    # holds no internals).
     error: str | None = None
-    error_kind: Literal["ignored", "internal"] | None = None
+    error_kind: Literal["ignored", "invalid", "internal"] | None = None
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

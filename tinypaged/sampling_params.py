@@ -2,15 +2,93 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tinypaged import limits
 from tinypaged.errors import RequestError
 from tinypaged.limits import MAX_LOGPROBS
 
 _SAMPLING_EPS = 1e-5
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding, by vLLM's names: the output follows exactly one of `json` (a JSON schema, as a dict
+    or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or GBNF as
+    llama.cpp writes it) or `json_object` (any JSON object). JSON is written with one space after `:` and `,`
+    and no other whitespace, unless `disable_any_whitespace` (none at all) or `whitespace_pattern` (whitespace
+    matching this regex wherever JSON allows it). Invalid values raise RequestError naming the field."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise RequestError naming the first bad field: exactly one constraint, within tinypaged.limits."""
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(
+                f"structured_outputs takes exactly one of {', '.join(_CONSTRAINTS)}; got "
+                f"{', '.join(given) if given else 'none'}",
+                "structured_outputs",
+            )
+        kind = given[0]
+        param = f"structured_outputs.{kind}"
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise RequestError(f"a JSON schema must be valid JSON: {e}", param) from e
+            if not isinstance(self.json, dict):
+                raise RequestError("a JSON schema is an object", param)
+            text = json.dumps(self.json)
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
+                raise RequestError("choice must be a non-empty list of strings", param)
+            if len(choice) > limits.MAX_CHOICES:
+                raise RequestError(f"at most {limits.MAX_CHOICES} choices, got {len(choice)}", param)
+            text = "".join(choice)
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise RequestError("json_object must be true when given", param)
+            text = ""
+        else:
+            text = getattr(self, kind)
+            if not isinstance(text, str) or (kind == "grammar" and not text.strip()):
+                raise RequestError(f"{kind} must be a non-empty string", param)
+        if len(text) > limits.MAX_GRAMMAR_CHARS:
+            raise RequestError(
+                f"{kind} is {len(text)} characters long; the limit is {limits.MAX_GRAMMAR_CHARS}", param
+            )
+        ws = self.whitespace_pattern
+        if ws is not None and (not isinstance(ws, str) or len(ws) > limits.MAX_STOP_STRING_CHARS):
+            raise RequestError(
+                f"whitespace_pattern must be a regex of at most {limits.MAX_STOP_STRING_CHARS} characters",
+                "structured_outputs.whitespace_pattern",
+            )
+        if ws is not None and self.disable_any_whitespace:
+            raise RequestError(
+                "give at most one of whitespace_pattern and disable_any_whitespace",
+                "structured_outputs.whitespace_pattern",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
 @dataclass
@@ -47,8 +125,12 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # The output follows a JSON schema, regex, choice list or grammar (constrained decoding: engine/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -179,6 +261,10 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise RequestError(message, param)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise RequestError("structured_outputs must be StructuredOutputsParams", "structured_outputs")
+            self.structured_outputs.verify()
 
     @property
     def greedy(self) -> bool:

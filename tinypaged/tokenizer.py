@@ -84,13 +84,21 @@ class Tokenizer:
         """The vocabulary entry of one id."""
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's template (run in jinja2's sandbox: it is code from the model)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render chat messages (and the tools the model may call, OpenAI's `tools` as HF passes them; a template
+        that does not read them leaves them out) with the model's template (run in jinja2's sandbox: it is code
+        from the model)."""
         if self._template is None:
             raise ValueError("this model has no chat template; use the completions API")
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

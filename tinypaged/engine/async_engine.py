@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine, StepError
 from tinypaged.engine.request import EngineRequest, Prompt
@@ -246,6 +247,22 @@ class AsyncEngine:
         loop = self._loop
         if loop is not None and not loop.is_closed() and self._streams.get(request_id) is slot:
             loop.call_soon_threadsafe(self._end_stream, request_id, slot)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (structured outputs) in the engine's grammar pool, off the event loop,
+        once per distinct grammar; RequestError naming the parameter if it is invalid, unsupported or too slow
+        to compile. A request whose grammar is compiled is queued ready to run."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        future = self.engine.grammars.submit(spec)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), limits.GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError as e:
+            raise RequestError(
+                f"the {spec.kind} did not compile within {limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
+                f"structured_outputs.{spec.kind}",
+            ) from e
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""

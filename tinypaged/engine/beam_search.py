@@ -111,8 +111,10 @@ class BeamSearch:
             top.tolist(), parents.tolist(), tokens.tolist(), lps.tolist(), ranks, strict=True
         ):
             stopped = token in self.stop_ids
-            if stopped and value == float("-inf") and not at_limit:
-                continue  # a stop token masked out of the running candidates (a vocabulary smaller than W)
+            if value == float("-inf"):
+                # A stop token masked out of the running candidates (a vocabulary smaller than W), or a token
+                # that is banned or that the beam's grammar forbids: never a continuation.
+                continue
             cands.append(Candidate(beams[parent][0], token, lp, rank, value, stopped))
         running = [c for c in cands if not (c.stopped or at_limit)][:width]
         # Only the first `width` candidates may become hypotheses; the rest only back up the live beams.

@@ -54,6 +54,12 @@ class EngineClient(Protocol):
         """
         ...
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (structured outputs), off the event loop and cached; RequestError
+        naming the parameter if it is invalid, unsupported or too slow to compile. Awaited before `generate`,
+        a bad grammar is refused before anything is queued."""
+        ...
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
         ...

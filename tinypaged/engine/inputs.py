@@ -7,6 +7,7 @@ from __future__ import annotations
 from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import EngineRequest, Prompt
+from tinypaged.engine.structured import Grammar, GrammarCompiler, wait
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -40,13 +41,15 @@ def check_logprob_entries(entries: int) -> None:
 class InputProcessor:
     """Turns (request id, prompt, params) into a checked EngineRequest."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, grammars: GrammarCompiler) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = config.model_config.vocab_size
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
-        """The checked request; RequestError naming the parameter if it cannot run."""
+        """The checked request; RequestError naming the parameter if it cannot run. A grammar (structured
+        outputs) is handed to the compile pool, not waited for: the request carries the future."""
         cfg, vocab = self.config, self.vocab_size
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -65,7 +68,9 @@ class InputProcessor:
         if len(ids) >= cfg.max_model_len:
             raise context_length_error(cfg.max_model_len, len(ids))
         check_logprob_entries(logprob_entries(params, len(ids), cfg.max_model_len))
-        return EngineRequest(request_id, text, ids, params)
+        spec = params.structured_outputs
+        grammar = self.grammars.submit(spec) if spec is not None else None
+        return EngineRequest(request_id, text, ids, params, grammar)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt's text (if any) and its token ids, each id in the vocabulary."""
@@ -88,6 +93,15 @@ class InputProcessor:
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         return text, ids
+
+
+def wait_grammar(request: EngineRequest, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar | None:
+    """The compiled grammar of a checked request (None without structured outputs), waited for; RequestError
+    naming the parameter if it is invalid or does not compile in time."""
+    spec = request.params.structured_outputs
+    if request.grammar is None or spec is None:
+        return None
+    return wait(request.grammar, f"structured_outputs.{spec.kind}", timeout)
 
 
 def context_length_error(max_model_len: int, num_tokens: int | None = None) -> RequestError:

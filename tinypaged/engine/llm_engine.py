@@ -7,11 +7,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tinypaged import limits, ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
@@ -26,6 +29,7 @@ from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Re
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.staging import PendingTokens
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
+from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, wait
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -56,8 +60,14 @@ class _QueuedStep:
     scores: torch.Tensor | None  # log-probability rows (beam search)
     deferred: bool
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the forward pass (runner.time_device)
+    num_constrained: int = 0  # draws that follow a grammar (their logits rows masked)
     wait_s: float = 0.0
     device_s: float | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a draw follows a grammar: the next step's masks need this step's tokens first."""
+        return self.num_constrained > 0
 
     @property
     def num_draws(self) -> int:
@@ -134,7 +144,10 @@ class LLMEngine:
         self.eos_ids = frozenset(config.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        self.inputs = InputProcessor(config, self.tokenizer)
+        self.grammars = GrammarCompiler(
+            config.model_config.path / "tokenizer.json", config.model_config.vocab_size, sorted(self.eos_ids)
+        )
+        self.inputs = InputProcessor(config, self.tokenizer, self.grammars)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
         self.async_scheduling = (
             config.async_scheduling
@@ -145,6 +158,13 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._num_steps = 0
         self._inflight: _QueuedStep | None = None  # a deferred step, applied during the next one
+        # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
+        # scheduler sees them once it is ready, and the other requests run meanwhile.
+        self._compiling: dict[str, tuple[Request, Future[Grammar], float]] = {}
+        # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
+        # pruned each step of those that ended.
+        self._constrained: set[str] = set()
+        self._mask_s = 0.0  # this step's host time filling token masks (llguidance)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # What exists now (the model's modules, the block pool, imported libraries: some 300k objects) lives as
@@ -162,9 +182,13 @@ class LLMEngine:
         return self.inputs.process(request_id, prompt, params)
 
     def add(self, request: EngineRequest) -> None:
-        """Queue a checked request (see `process_inputs`); RequestError if its id is in use."""
+        """Queue a checked request (see `process_inputs`); RequestError if its id is in use or its grammar is
+        known to be bad. A request whose grammar still compiles waits for it outside the scheduler."""
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        grammar = request.grammar
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise grammar.exception()  # type: ignore[misc]
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
         # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
@@ -174,7 +198,44 @@ class LLMEngine:
         req = Request(group, request.prompt, list(ids), params, self._strategy(params, len(ids)))
         self.output.start(req)
         self._requests[request.request_id] = req
-        self.scheduler.add_seq_group(group)
+        if grammar is None:
+            self.scheduler.add_seq_group(group)
+        elif grammar.done():
+            self._start_constrained(req, grammar.result())
+        else:
+            deadline = time.monotonic() + limits.GRAMMAR_COMPILE_TIMEOUT_S
+            self._compiling[request.request_id] = (req, grammar, deadline)
+
+    def _start_constrained(self, req: Request, grammar: Grammar) -> None:
+        """Hand a request whose grammar is compiled to the scheduler, its first sequence at the grammar's start."""
+        req.grammar = grammar
+        req.states[req.group.seqs[0].seq_id].matcher = grammar.matcher()
+        self._constrained.add(req.request_id)
+        self.scheduler.add_seq_group(req.group)
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Requests whose grammar is now compiled go to the scheduler; those whose grammar failed (or ran past
+        the compile time limit) end with the reason. With nothing else to run, wait a little for a compile
+        rather than spin through empty steps."""
+        if not self.scheduler.has_unfinished():
+            pending = [f for _, f, _ in self._compiling.values()]
+            futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
+        now = time.monotonic()
+        for request_id, (req, grammar, deadline) in list(self._compiling.items()):
+            if not grammar.done() and now < deadline:
+                continue
+            del self._compiling[request_id]
+            try:
+                spec = req.params.structured_outputs
+                assert spec is not None
+                result = wait(grammar, f"structured_outputs.{spec.kind}", timeout=0)
+            except RequestError as e:
+                del self._requests[request_id]
+                req.error, req.error_kind = str(e), "invalid"
+                req.group.seqs[0].status = SequenceStatus.FINISHED_ABORTED
+                outputs.append(self.output.failed(req))
+                continue
+            self._start_constrained(req, result)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Check and queue a request (RequestError if it cannot run)."""
@@ -193,6 +254,8 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        if self._compiling.pop(request_id, None) is not None:
+            req.group.seqs[0].status = SequenceStatus.FINISHED_ABORTED  # never scheduled
         self.scheduler.abort_seq_group(request_id)
         if not self._requests:
             self._inflight = None  # nothing left that its tokens could go to
@@ -212,10 +275,11 @@ class LLMEngine:
         kv, sched = self.kv, self.scheduler
         return EngineStats(
             num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            num_waiting=sched.num_waiting + len(self._compiling),
             num_waiting_seqs=sum(
                 req.params.num_seqs for g in list(sched.waiting) if (req := self._requests.get(g.request_id))
-            ),
+            )
+            + sum(req.params.num_seqs for req, _, _ in list(self._compiling.values())),
             num_swapped=sched.num_swapped,
             gpu_cache_usage=kv.gpu_usage,
             cpu_cache_usage=1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
@@ -243,6 +307,7 @@ class LLMEngine:
         """Abort what is left and stop every tensor-parallel rank (their devices freed); the engine cannot
         run afterwards. Idempotent."""
         self.abort_all()
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def snapshot(self) -> EngineSnapshot:
@@ -267,15 +332,25 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         applied: list[_QueuedStep] = []
         sched: SchedulerOutput | None = None
+        self._mask_s = 0.0
         try:
             self.executor.check()
+            if self._compiling:
+                self._admit_compiled(outputs)
             sched = self.scheduler.schedule()
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
             t1 = time.perf_counter()
             executed = self._execute(index, sched, prev, outputs)
             self.scheduler.update_from_output(sched)
-            t2 = time.perf_counter()
+            t2 = early = time.perf_counter()
+            if prev is not None and prev.constrained:
+                # This step's token masks start from the last step's tokens: apply them first (the host waits
+                # for them while the device runs this step's forward pass), then fill the masks.
+                outputs += self._update(prev)
+                applied.append(prev)
+                prev = None
+                early = time.perf_counter()
             queued = self._sample(index, sched, executed, outputs) if executed is not None else None
             t3 = time.perf_counter()
             if prev is not None:  # the last step's tokens, while this step runs on the device
@@ -309,6 +384,7 @@ class LLMEngine:
             num_decode_tokens=decode,
             num_partial_prefills=partial,
             num_draws=queued.num_draws if queued is not None else 0,
+            num_constrained=queued.num_constrained if queued is not None else 0,
             graph_batch_size=executed.graph_batch_size if executed is not None else 0,
             num_preempted=len(sched.preempted),
             num_preempted_pending=preempted_pending,
@@ -328,8 +404,9 @@ class LLMEngine:
             ),
             schedule_s=t1 - t0,
             execute_s=t2 - t1,
-            sample_s=t3 - t2,
-            update_s=t4 - t3,
+            sample_s=t3 - early,
+            mask_s=self._mask_s,
+            update_s=t4 - t3 + early - t2,
             wait_s=sum(s.wait_s for s in applied),
             total_s=t4 - t0,
             device_s=tuple(s.device_s for s in applied if s.device_s is not None),
@@ -415,6 +492,22 @@ class LLMEngine:
                 lists[1].append(sampling_row)
                 lists[2].append(row)
         logits = executed.logits
+        num_failed, num_constrained = len(failed), 0
+        if self._constrained:
+            self._constrained.intersection_update(self._requests)
+            num_constrained = self._mask(index, logits, token + score, token_src + score_src, failed)
+        if len(failed) > num_failed:
+            # Requests that failed while their masks were filled have no draws left.
+            alive = [i for i, (req, _) in enumerate(token) if self._requests.get(req.request_id) is req]
+            if len(alive) < len(token):
+                token = [token[i] for i in alive]
+                token_rows = [token_rows[i] for i in alive]
+                token_src = [token_src[i] for i in alive]
+            alive = [i for i, (req, _) in enumerate(score) if self._requests.get(req.request_id) is req]
+            if len(alive) < len(score):
+                score = [score[i] for i in alive]
+                score_rows = [score_rows[i] for i in alive]
+                score_src = [score_src[i] for i in alive]
         sampled = scores = None
         if token:
             best_of = any(r.params.num_seqs > r.params.n for r in token_rows)  # ranks samples by logprob
@@ -431,7 +524,49 @@ class LLMEngine:
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
-        return _QueuedStep(index, token, sampled, score, scores, deferred, executed.events)
+        return _QueuedStep(index, token, sampled, score, scores, deferred, executed.events, num_constrained)
+
+    def _mask(
+        self,
+        index: int,
+        logits: torch.Tensor,
+        draws: list[tuple[Request, Draw]],
+        src: list[int],
+        failed: list[RequestOutput],
+    ) -> int:
+        """Structured outputs: set the logits of every token its grammar forbids to -inf, in place, on the rows
+        of the draws that follow one. Returns how many draws do. The masks are filled on the host (in
+        llguidance's threads) while the device runs the forward pass, then uploaded and applied by one op.
+
+        A row's draws share a matcher state (a fork's first draw is its parent's), so each row is filled
+        once. A matcher in an error state (past llguidance's per-step limits) fails its request alone."""
+        rows: dict[int, Any] = {}  # logits row -> its matcher
+        count = 0
+        for (req, draw), row in zip(draws, src, strict=True):
+            if req.grammar is None:
+                continue
+            matcher = req.states[draw.seq.seq_id].matcher
+            if matcher is None or matcher.is_error():
+                error = matcher.get_error().split("\n")[0] if matcher is not None else "no matcher"
+                logger.error("request %s: its grammar failed: %s", req.request_id, error)
+                failed += self._fail_request(req, "following its grammar failed", index, fault=False)
+                continue
+            rows[row] = matcher
+            count += 1
+        if not rows:
+            return count
+        cuda = logits.device.type == "cuda"
+        bitmask = torch.empty((len(rows), bitmask_width(logits.shape[1])), dtype=torch.int32, pin_memory=cuda)
+        t0 = time.perf_counter()
+        self.grammars.fill_bitmask(list(rows.values()), bitmask)
+        self._mask_s += time.perf_counter() - t0
+        with torch.inference_mode():  # the logits are the runner's inference tensors, written in place
+            ops.apply_token_bitmask(
+                logits,
+                bitmask.to(logits.device, non_blocking=True),
+                upload(list(rows), torch.int32, logits.device),
+            )
+        return count
 
     def _isolated(
         self,

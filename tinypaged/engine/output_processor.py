@@ -62,6 +62,10 @@ def check_stop(
     return None
 
 
+class GrammarError(RuntimeError):
+    """A token its grammar does not allow (never, once masked): the request fails alone."""
+
+
 def _end(state: SeqState, status: SequenceStatus) -> SequenceStatus:
     if state.detok is not None:
         state.text += state.detok.flush()  # a dangling partial character, if any
@@ -165,7 +169,17 @@ class OutputProcessor:
             state.cumulative_logprob += sample.logprob
         if state.logprobs is not None:
             state.logprobs.append(self.logprob_entry(req.params, sample))
-        return check_stop(req.params, seq, state, sample.token, self.eos_ids, self.max_model_len)
+        status = check_stop(req.params, seq, state, sample.token, self.eos_ids, self.max_model_len)
+        matcher = state.matcher
+        if matcher is not None:
+            if not matcher.consume_token(sample.token):
+                raise GrammarError(matcher.get_error().split("\n")[0])
+            # A complete grammar ends the output ("stop", even at max_tokens). Not a beam: it becomes a
+            # hypothesis by its stop token, which is then all the grammar allows.
+            if matcher.is_stopped() and not req.params.use_beam_search:
+                status = status if status is not None else _end(state, SequenceStatus.FINISHED_STOPPED)
+                status = SequenceStatus.FINISHED_STOPPED
+        return status
 
     def logprob_entry(self, params: SamplingParams, sample: TokenSample) -> dict[int, Logprob]:
         """The token's Logprob and its top `params.logprobs` alternatives, by token id."""

@@ -13,13 +13,19 @@ included) and `BeamSearch` (beam_search.py).
 from __future__ import annotations
 
 from collections.abc import Sequence as Sequence_
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.outputs import CompletionOutput, Logprob
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from tinypaged.engine.structured import Grammar
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} with an optional "prompt" text
 
@@ -32,6 +38,8 @@ class EngineRequest:
     prompt: str | None  # the prompt's text, when there is one
     prompt_token_ids: list[int]
     params: SamplingParams
+    # With params.structured_outputs: its grammar, compiling (or compiled) in the engine's grammar pool.
+    grammar: Future[Grammar] | None = None
 
 
 @dataclass
@@ -45,15 +53,17 @@ class SeqState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    matcher: LLMatcher | None = None  # structured outputs: the grammar's state after this sequence's tokens
 
     def fork(self, index: int, seed_key: int | None) -> SeqState:
-        """A copy for a forked sequence: the same text, logprobs and detokenizer state so far."""
+        """A copy for a forked sequence: the same text, logprobs, detokenizer and grammar state so far."""
         return replace(
             self,
             index=index,
             seed_key=seed_key,
             detok=self.detok.fork() if self.detok is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            matcher=self.matcher.deep_copy() if self.matcher is not None else None,
         )
 
 
@@ -141,8 +151,9 @@ class Request:
     states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
     # With params.prompt_logprobs: None for the first prompt token, then one entry per prompt token scored.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    grammar: Grammar | None = None  # structured outputs: each sequence's matcher starts from it
     error: str | None = None  # why it ended early (RequestOutput.error)
-    error_kind: Literal["ignored", "internal"] | None = None
+    error_kind: Literal["ignored", "invalid", "internal"] | None = None
 
     @property
     def request_id(self) -> str:

@@ -23,6 +23,7 @@ class StepStats:
     num_decode_tokens: int  # one-token chunks that sample (a decode)
     num_partial_prefills: int  # sequences whose chunk stops short of their last token (chunked prefill)
     num_draws: int  # next-token draws queued: tokens sampled, or log-probability rows scored (beams)
+    num_constrained: int  # of those, draws that follow a grammar (structured outputs: their rows masked)
     graph_batch_size: int  # > 0: the forward pass replayed the CUDA graph captured for this batch size
     num_preempted: int  # requests preempted by this step's schedule
     num_preempted_pending: int  # sequences preempted with a sampled token still on the device
@@ -37,7 +38,8 @@ class StepStats:
     num_kv_tokens: int  # tokens whose K/V the running sequences hold after the step
     schedule_s: float
     execute_s: float  # block moves and the forward pass, as queued (a GPU runs it asynchronously)
-    sample_s: float  # the sampling pass, as queued
+    sample_s: float  # the sampling pass, as queued (token masks included)
+    mask_s: float  # part of sample_s filling the grammars' token masks on the host (structured outputs)
     update_s: float  # applying tokens: forks, appends, stop checks, detokenization, outputs
     wait_s: float  # part of update_s spent waiting for sampled tokens to reach the host
     total_s: float

@@ -106,15 +106,18 @@ async def create_completion(
     """`/v1/completions`: the whole response, or its SSE events when `stream`."""
     serving.check_model(req.model)
     prompts = await _completion_prompts(serving, req.prompt)
+    spec, param = serving.structured_outputs(req) or (None, "")
     params = [
         serving.sampling_params(
             req,
             serving.max_tokens(len(pr.ids), req.max_tokens, DEFAULT_MAX_TOKENS),
             req.logprobs,
             req.logprobs if req.echo else None,
+            spec,
         )
         for pr in prompts
     ]
+    await serving.compile_grammar(params[0], param)  # one grammar for every prompt
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = serving.generate(rid, prompts, params)  # checked here: a prompt too long is refused unread
     for pr in prompts:

@@ -7,7 +7,7 @@ value fails with msgspec's path to the field. Cross-field rules and limits are t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -25,6 +25,46 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     """`stream_options`: whether a last chunk carries the request's usage."""
 
     include_usage: bool = False
+
+
+class JsonSchemaSpec(Struct):
+    """`response_format.json_schema`: the schema the output follows (always enforced, `strict` or not)."""
+
+    name: Annotated[str, Meta(max_length=64)]
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text"):
+    """`response_format: {"type": "text"}`: free text (the default)."""
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object"):
+    """`response_format: {"type": "json_object"}`: any JSON object."""
+
+
+class JsonSchemaFormat(Struct, tag_field="type", tag="json_schema"):
+    """`response_format: {"type": "json_schema", "json_schema": {...}}`: JSON following the schema."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StructuredOutputs(Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extra parameter: exactly one of json (a schema), regex, choice, grammar (Lark
+    or GBNF), json_object; JSON's whitespace: one space after `:` and `,` unless disable_any_whitespace or
+    whitespace_pattern. Limits: docs/limits.md."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(max_length=limits.MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class _SamplingFields(Struct, kw_only=True):
@@ -56,6 +96,8 @@ class _SamplingFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -193,8 +235,40 @@ ChatMessage = (
 )
 
 
+class FunctionDefinition(Struct):
+    """A function the model may call: its name, what it does, and its parameters' JSON schema."""
+
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    """One tool of `tools`."""
+
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(Struct):
+    """The function a named `tool_choice` calls."""
+
+    name: str
+
+
+class NamedToolChoice(Struct):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: the model calls this function."""
+
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    """`POST /v1/chat/completions`: messages rendered through the model's chat template."""
+    """`POST /v1/chat/completions`: messages rendered through the model's chat template (with `tools`)."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -202,6 +276,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Meta(max_length=limits.MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class UsageInfo(Struct):
@@ -266,10 +343,11 @@ class ChatLogprobs(Struct):
 
 
 class ChatResponseMessage(Struct):
-    """The assistant's message of a chat choice."""
+    """The assistant's message of a chat choice: its text (null when it is only tool calls) and tool calls."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(Struct):
@@ -293,11 +371,28 @@ class ChatCompletionResponse(Struct):
     object: str = "chat.completion"
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    """A piece of a streamed tool call's function: its name in the call's first delta, then its arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A piece of tool call `index` of a streamed message (its id and type in its first delta)."""
+
+    index: int
+    function: DeltaFunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     """What one chunk adds to a streamed chat message (the role in the first only)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

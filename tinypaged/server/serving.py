@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from tinypaged.engine.client import EngineClient
 from tinypaged.engine.inputs import check_logprob_entries, context_length_error, logprob_entries
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from tinypaged.server import protocol as p
 from tinypaged.server.metrics import ServerMetrics
 
@@ -176,12 +177,47 @@ class OpenAIServing:
             )
         return requested
 
+    def structured_outputs(
+        self, req: p.CompletionRequest | p.ChatCompletionRequest
+    ) -> tuple[StructuredOutputsParams, str] | None:
+        """The constraint of `response_format` or vLLM's `structured_outputs` (at most one of them), with the
+        parameter a bad one is named by in the 400."""
+        fmt, so = req.response_format, req.structured_outputs
+        if fmt is not None and not isinstance(fmt, p.TextFormat) and so is not None:
+            raise APIError(
+                400, "give at most one of response_format and structured_outputs", param="response_format"
+            )
+        try:
+            if isinstance(fmt, p.JsonObjectFormat):
+                return StructuredOutputsParams(json_object=True), "response_format"
+            if isinstance(fmt, p.JsonSchemaFormat):
+                schema = fmt.json_schema.schema
+                spec = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
+                return spec, "response_format.json_schema.schema"
+            if so is not None:
+                return StructuredOutputsParams(**msgspec.structs.asdict(so)), "structured_outputs"
+        except RequestError as e:
+            param = e.param if so is not None else "response_format.json_schema.schema"
+            raise APIError(400, str(e), param=param) from e
+        return None
+
+    async def compile_grammar(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar before it is queued (off the event loop, cached by the engine): an
+        invalid, unsupported or too slow one is a 400 naming `param` (what the request called it; the engine's
+        own name under `structured_outputs`)."""
+        try:
+            await self.engine.compile_grammar(params)
+        except RequestError as e:
+            keep = param == "structured_outputs" and e.param is not None
+            raise APIError(400, str(e), param=e.param if keep else param) from e
+
     def sampling_params(
         self,
         req: p.CompletionRequest | p.ChatCompletionRequest,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams; SamplingParams' own checks come back as 400s naming the field."""
         if req.logit_bias:
@@ -211,6 +247,7 @@ class OpenAIServing:
                 use_beam_search=req.use_beam_search,
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
+                structured_outputs=structured,
             )
         except RequestError as e:
             raise request_error(e) from e
@@ -296,8 +333,14 @@ class OpenAIServing:
             raise internal_error(request_id, str(e)) from e
         return merge([self._track(g, f"{request_id}-{i}") for i, g in enumerate(gens)])
 
-    async def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
-        """The chat template applied to the messages (400 if the template rejects them)."""
+    async def render_chat(
+        self,
+        messages: list[p.ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to the messages, and to the tools as HF passes them (400 if the template
+        rejects them)."""
         dicts = [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
         # Rendering holds the GIL: a chat surely past the context (each message is at least a token, and no
         # token is longer than max_token_chars) is refused by its size, unrendered.
@@ -305,7 +348,9 @@ class OpenAIServing:
         if len(dicts) > self.max_model_len or chars > self.max_model_len * self.tokenizer.max_token_chars:
             raise request_error(context_length_error(self.max_model_len), "messages")
         try:
-            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                dicts, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
@@ -380,6 +425,15 @@ def _template_message(m: p.ChatMessage, where: str) -> dict[str, Any]:
         value = getattr(m, key, None)
         if value is not None:
             out[key] = msgspec.to_builtins(value)
+    for call in out.get("tool_calls", []):
+        # Templates (Llama 3.1's, Qwen's, ...) write a call's arguments with `tojson`: a mapping, as HF and vLLM
+        # hand them; arguments that are not a JSON object stay the string they were.
+        try:
+            args = json.loads(call["function"]["arguments"])
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            call["function"]["arguments"] = args
     return out
 
 
