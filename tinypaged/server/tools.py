@@ -140,18 +140,20 @@ class CallParser:
                 continue
             start = rest.find(HERMES_OPEN)
             if start >= 0:
-                content += rest[:start]
+                content += self._content(rest[:start], calls)
                 self.pos += start + len(HERMES_OPEN)
                 self.inside = True
                 continue
             keep = 0 if final else _partial_suffix(rest, HERMES_OPEN)
-            content += rest[: len(rest) - keep]
+            content += self._content(rest[: len(rest) - keep], calls)
             self.pos += len(rest) - keep
             break
         self.calls += calls
-        if self.calls and not content.strip():
-            content = ""  # the whitespace between calls is not content
         return content, calls
+
+    def _content(self, text: str, new_calls: list[Call]) -> str:
+        """Text outside the blocks; only whitespace after a call is not content (it separates calls)."""
+        return "" if (self.calls or new_calls) and not text.strip() else text
 
     def _llama_json(self, final: bool) -> tuple[str, list[Call]]:
         """A reply that opens with JSON is held until the end, then read as `;`-separated calls."""
