@@ -12,9 +12,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.request import EngineRequest
+from tinypaged.engine.structured import bitmask_width
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams as Structured
 
@@ -267,3 +269,23 @@ def test_compiled_once_and_waited_for_outside_the_scheduler(llm: LLM) -> None:
     assert out.finished and out.error_kind == "invalid" and out.error == "invalid regex"
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
+
+
+def test_masks_filled_in_parallel_equal_serial(llm: LLM) -> None:
+    """A large batch's masks (llguidance's threads) are the ones each matcher gives alone."""
+    grammars = llm.engine.grammars
+    grammar = grammars.compile(Structured(json=SCHEMAS[0]))
+    tok = grammars.tokenizer()
+    prefixes = ['{"name": "', '{"name": "Al', '{"name": "Bo", "address": {"city": "X"', '{"na']
+    matchers = []
+    for i in range(40):
+        m = grammar.matcher()
+        assert m.consume_tokens(tok.tokenize_str(prefixes[i % len(prefixes)]))
+        matchers.append(m)
+    width = bitmask_width(grammars.vocab_size)
+    together = torch.zeros((40, width), dtype=torch.int32)
+    grammars.fill_bitmask(matchers, together)
+    alone = torch.zeros((40, width), dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        grammars.fill_bitmask([m], alone[i : i + 1])
+    assert torch.equal(together, alone) and len({tuple(r.tolist()) for r in alone}) == len(prefixes)

@@ -30,6 +30,9 @@ from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 512  # distinct compiled grammars kept (each a few kB to a few MB of lexer state)
+PARALLEL_FILL_ROWS = (
+    32  # a step with this many constrained rows or more fills its masks in llguidance's threads
+)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -160,13 +163,19 @@ class GrammarCompiler:
 
     def fill_bitmask(self, matchers: list[LLMatcher], bitmask: torch.Tensor) -> None:
         """Row i of `bitmask` (int32 `[N, bitmask_width]`, contiguous, on the host) := the tokens matcher i
-        allows next, computed in llguidance's thread pool with the GIL released."""
+        allows next: in llguidance's thread pool (the GIL released) for a large batch; in this thread for a
+        small one, where a row's few microseconds cost less than waking the pool's threads."""
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+        row_bytes = bitmask.shape[1] * 4
+        ptr = bitmask.data_ptr()
+        if len(matchers) < PARALLEL_FILL_ROWS:
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
+            return
         if self._executor is None:
             self._executor = LLExecutor()
-        row_bytes = bitmask.shape[1] * 4
         self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+            [(m, i) for i, m in enumerate(matchers)], ptr, row_bytes, len(matchers)
         )
 
     def shutdown(self) -> None:

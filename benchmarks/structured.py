@@ -1,0 +1,294 @@
+"""Structured outputs' cost: workload W1 (BENCHMARKS.md, "Targets") unconstrained, then with every request under
+a JSON schema, in the same process on the same engine; the compile time of each schema (cold and cached) and
+the token masks' host time per step.
+
+W1: 256 requests, prompt lengths uniform in [64, 1024], output lengths uniform in [32, 512], random token ids,
+greedy, EOS ignored. Constrained, request i follows SCHEMAS[i % 4] (realistic shapes, each with a free-text
+field, so that most outputs run to their length as the unconstrained ones do; one whose grammar completes
+earlier ends then, "stop", and the table says how many did and how many tokens each run made).
+
+    tinypaged weights random --config llama-3.1-8b --out /tmp/llama-3.1-8b
+    python benchmarks/structured.py --model /tmp/llama-3.1-8b --out benchmarks/results/structured-h200.json
+    python benchmarks/structured.py --device cpu --num-requests 8 --prompt-range 16 64 --output-range 16 48
+
+Mask time is StepStats.mask_s (host: llguidance filling the step's bitmasks in its threads, their upload and the
+op queued); it overlaps the step's forward pass, so what it costs shows in the decode steps' wall time and the
+device's busy fraction beside the unconstrained run's (device time: CUDA events around each forward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from common import device_name, generate_with_stats, make_workload, summarize_steps, sync_device
+from common import section as run_section
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.engine.structured import GrammarCompiler
+from tinypaged.sampling_params import StructuredOutputsParams
+
+SCHEMAS: list[dict[str, Any]] = [
+    {  # a support ticket
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1},
+            "priority": {"enum": ["low", "normal", "high", "urgent"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+            "description": {"type": "string"},
+        },
+        "required": ["id", "priority", "tags", "description"],
+        "additionalProperties": False,
+    },
+    {  # a person, nested address, $defs
+        "$defs": {
+            "address": {
+                "type": "object",
+                "properties": {
+                    "street": {"type": "string", "maxLength": 40},
+                    "city": {"type": "string", "maxLength": 24},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["street", "city", "zip"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+            "address": {"$ref": "#/$defs/address"},
+            "bio": {"type": "string"},
+        },
+        "required": ["name", "age", "email", "address", "bio"],
+        "additionalProperties": False,
+    },
+    {  # a product review with scores
+        "type": "object",
+        "properties": {
+            "product": {"type": "string", "maxLength": 32},
+            "rating": {"type": "number", "minimum": 0, "maximum": 5},
+            "pros": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3},
+            "recommended": {"type": "boolean"},
+            "text": {"type": "string"},
+        },
+        "required": ["product", "rating", "pros", "recommended", "text"],
+        "additionalProperties": False,
+    },
+    {  # an event log: an array of records
+        "type": "object",
+        "properties": {
+            "events": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "ts": {"type": "integer", "minimum": 0},
+                        "level": {"enum": ["debug", "info", "warn", "error"]},
+                        "message": {"type": "string"},
+                    },
+                    "required": ["ts", "level", "message"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["events"],
+        "additionalProperties": False,
+    },
+]
+
+
+def compile_times(llm: LLM, repeats: int = 100) -> dict[str, Any]:
+    """The tokenizer view's build, then each schema's compile on a fresh compiler (cold: built and its first
+    mask computed) and again (cached: a lookup), and a matcher's copy (what each sequence gets)."""
+    engine = llm.engine
+    fresh = GrammarCompiler(
+        engine.grammars.tokenizer_file, engine.grammars.vocab_size, engine.grammars.eos_ids
+    )
+    t0 = time.perf_counter()
+    fresh.tokenizer()
+    out: dict[str, Any] = {"tokenizer_view_s": time.perf_counter() - t0, "schemas": []}
+    for i, schema in enumerate(SCHEMAS):
+        spec = StructuredOutputsParams(json=schema)
+        t0 = time.perf_counter()
+        grammar = fresh.compile(spec)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fresh.compile(StructuredOutputsParams(json=schema))
+        cached = (time.perf_counter() - t0) / repeats
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            grammar.matcher()
+        copy = (time.perf_counter() - t0) / repeats
+        out["schemas"].append(
+            {
+                "schema": i,
+                "cold_ms": 1e3 * cold,
+                "in_pool_ms": 1e3 * grammar.compile_s,
+                "cached_us": 1e6 * cached,
+            }
+            | {"matcher_copy_us": 1e6 * copy}
+        )
+    fresh.shutdown()
+    return out
+
+
+def run(llm: LLM, work: list[tuple[list[int], int]], constrained: bool) -> dict[str, Any]:
+    """W1 through the engine's loop, every request at once, timed end to end, with its step totals and (when
+    constrained) the per-step mask times and what the outputs were."""
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+
+    def params(i: int, n: int) -> SamplingParams:
+        spec = StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]) if constrained else None
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=spec)
+
+    llm.generate(prompts[:4], [params(i, 4) for i in range(4)])  # warm-up: kernels, compiles
+    sync_device()
+    t0 = time.perf_counter()
+    outs, stats = generate_with_stats(llm, prompts, [params(i, n) for i, (_, n) in enumerate(work)])
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res: dict[str, Any] = {
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tokens_per_s": n_out / elapsed,
+        "steps": summarize_steps(llm, stats),
+    }
+    if not constrained:
+        return res
+    masked = [s for s in stats if s.num_constrained]
+    mask_ms = np.array([1e3 * s.mask_s for s in masked]) if masked else np.zeros(1)
+    per_row_us = np.array([1e6 * s.mask_s / s.num_constrained for s in masked]) if masked else np.zeros(1)
+    stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    valid = 0
+    for o, (i, _) in zip(outs, enumerate(work), strict=True):
+        if o.outputs[0].finish_reason == "stop":
+            valid += _valid(o.outputs[0].text, SCHEMAS[i % len(SCHEMAS)])
+    res["mask"] = {
+        "steps": len(masked),
+        "ms_per_step_p50": float(np.percentile(mask_ms, 50)),
+        "ms_per_step_p99": float(np.percentile(mask_ms, 99)),
+        "ms_per_step_max": float(mask_ms.max()),
+        "us_per_row_p50": float(np.percentile(per_row_us, 50)),
+        "mean_rows": float(np.mean([s.num_constrained for s in masked])) if masked else 0.0,
+    }
+    res["finished_by_grammar"] = len(stopped)
+    res["valid_of_finished"] = valid
+    return res
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:  # the GPU machine may not have it: parsing is the check then
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """The summary, last in the output."""
+    plain, json_ = res.get("unconstrained", {}), res.get("json_schema", {})
+    lines = [f"\n== structured outputs, {res['device']}, {res['requests']} requests (W1 shape) =="]
+    if "output_tokens_per_s" in plain and "output_tokens_per_s" in json_:
+        ratio = json_["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        lines.append(
+            f"{'run':<14}{'tok/s':>10}{'tokens':>10}{'time s':>9}{'decode ms/step':>16}{'gpu busy':>10}"
+        )
+        for name, r in (("unconstrained", plain), ("json_schema", json_)):
+            d = r["steps"]["decode"]
+            step_ms = 1e3 * d["wall_s"] / max(1, d["steps"])
+            lines.append(
+                f"{name:<14}{r['output_tokens_per_s']:>10.1f}{r['output_tokens']:>10}{r['elapsed_s']:>9.2f}"
+                f"{step_ms:>16.2f}{d['gpu_busy_fraction']:>10.0%}"
+            )
+        lines.append(f"json_schema / unconstrained throughput: {ratio:.3f} (target >= 0.90)")
+        m = json_["mask"]
+        lines.append(
+            f"mask fill per step: p50 {m['ms_per_step_p50']:.3f} ms, p99 {m['ms_per_step_p99']:.3f} ms, max "
+            f"{m['ms_per_step_max']:.3f} ms over {m['steps']} steps (mean {m['mean_rows']:.0f} rows; "
+            f"{m['us_per_row_p50']:.1f} us/row p50)"
+        )
+        lines.append(
+            f"finished by the grammar: {json_['finished_by_grammar']} of {res['requests']} "
+            f"({json_['valid_of_finished']} valid); the rest ran to their length"
+        )
+    c = res.get("compile", {})
+    if "schemas" in c:
+        lines.append(f"tokenizer view built once: {1e3 * c['tokenizer_view_s']:.0f} ms")
+        for s in c["schemas"]:
+            lines.append(
+                f"schema {s['schema']}: compile cold {s['cold_ms']:.2f} ms, cached {s['cached_us']:.1f} us, "
+                f"matcher copy {s['matcher_copy_us']:.1f} us"
+            )
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: the default model)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
+    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    cfg = llm.config.model_config
+    res: dict[str, Any] = {
+        "device": device_name() if llm.engine.runner.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": str(cfg.path),
+        "date": time.strftime("%Y-%m-%d"),
+        "requests": args.num_requests,
+        "seed": args.seed,
+        "prompt_range": args.prompt_range,
+        "output_range": args.output_range,
+        "async_scheduling": llm.engine.async_scheduling,
+        "init_s": time.perf_counter() - t0,
+    }
+    work = make_workload(args.num_requests, cfg.vocab_size, args.seed, args.prompt_range, args.output_range)
+
+    def section(name: str, fn: Any) -> Any:
+        return run_section(res, name, fn, args.out)
+
+    section("compile", lambda: compile_times(llm))
+    section("unconstrained", lambda: run(llm, work, constrained=False))
+    section("json_schema", lambda: run(llm, work, constrained=True))
+    try:
+        print_table(res)
+    except Exception:
+        traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()
