@@ -60,7 +60,7 @@ class StructuredOutputs(Struct, forbid_unknown_fields=True):
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], Meta(max_length=limits.MAX_CHOICES)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
@@ -276,7 +276,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=limits.MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
 

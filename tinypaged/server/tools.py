@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinypaged import limits
 from tinypaged.sampling_params import StructuredOutputsParams
 from tinypaged.server import protocol as p
 
@@ -41,8 +40,6 @@ def check_tools(tools: list[p.Tool] | None, choice: p.ToolChoice | None) -> str:
     """The tool mode: "none", "auto", "required" or "named" (400s for choices that name what is not there)."""
     from tinypaged.server.serving import APIError  # serving imports this module
 
-    if tools is not None and len(tools) > limits.MAX_TOOLS:
-        raise APIError(400, f"at most {limits.MAX_TOOLS} tools, got {len(tools)}", param="tools")
     if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
