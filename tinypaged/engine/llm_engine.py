@@ -161,6 +161,9 @@ class LLMEngine:
         # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
         # scheduler sees them once it is ready, and the other requests run meanwhile.
         self._compiling: dict[str, tuple[Request, Future[Grammar], float]] = {}
+        # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
+        # pruned each step of those that ended.
+        self._constrained: set[str] = set()
         self._mask_s = 0.0  # this step's host time filling and queueing token masks
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -204,6 +207,7 @@ class LLMEngine:
         """Hand a request whose grammar is compiled to the scheduler, its first sequence at the grammar's start."""
         req.grammar = grammar
         req.states[req.group.seqs[0].seq_id].matcher = grammar.matcher()
+        self._constrained.add(req.request_id)
         self.scheduler.add_seq_group(req.group)
 
     def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
@@ -481,8 +485,10 @@ class LLMEngine:
                 lists[1].append(sampling_row)
                 lists[2].append(row)
         logits = executed.logits
-        num_failed = len(failed)
-        num_constrained = self._mask(index, logits, token + score, token_src + score_src, failed)
+        num_failed, num_constrained = len(failed), 0
+        if self._constrained:
+            self._constrained.intersection_update(self._requests)
+            num_constrained = self._mask(index, logits, token + score, token_src + score_src, failed)
         if len(failed) > num_failed:
             # Requests that failed while their masks were filled have no draws left.
             alive = [i for i, (req, _) in enumerate(token) if self._requests.get(req.request_id) is req]
