@@ -51,7 +51,7 @@ class StructuredOutputsParams:
                     self.json = json.loads(self.json)
                 except ValueError as e:
                     raise RequestError(f"a JSON schema must be valid JSON: {e}", param) from e
-            if not isinstance(self.json, dict | bool):
+            if not isinstance(self.json, dict):
                 raise RequestError("a JSON schema is an object", param)
             text = json.dumps(self.json)
         elif kind == "choice":
