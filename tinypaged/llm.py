@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from tinypaged.config import EngineConfig
+from tinypaged.engine.inputs import wait_grammar
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
-from tinypaged.engine.structured import wait_grammar
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.structured import GrammarCompiler
+from tinypaged.engine.structured import Grammar, GrammarCompiler, wait
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -98,6 +98,15 @@ class InputProcessor:
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         return text, ids
+
+
+def wait_grammar(request: EngineRequest, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar | None:
+    """The compiled grammar of a checked request (None without structured outputs), waited for; RequestError
+    naming the parameter if it is invalid or does not compile in time."""
+    spec = request.params.structured_outputs
+    if request.grammar is None or spec is None:
+        return None
+    return wait(request.grammar, f"structured_outputs.{spec.kind}", timeout)
 
 
 def context_length_error(max_model_len: int, num_tokens: int | None = None) -> RequestError:

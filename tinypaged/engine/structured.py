@@ -6,7 +6,7 @@ tokenizer.json (no transformers), a grammar is checked and built in well under a
 schemas (its lexer is lazy, so a request with a schema never seen before does not wait), a matcher deep-copies
 for forked sequences (n > 1, beam search), and a batch's masks are computed by its own thread pool with the GIL
 released. Plain Python here: the masks are written into a host tensor the engine hands in, and applied on the
-device by `ops.apply_token_bitmask`.
+device by `ops.apply_token_bitmask`. No torch is imported here: the server checks specs through this module.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
+import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from tinypaged import limits
-from tinypaged.engine.request import EngineRequest
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 GRAMMAR_CACHE_SIZE = 512  # distinct compiled grammars kept (each a few kB to a few MB of lexer state)
 PARALLEL_FILL_ROWS = (
@@ -148,8 +151,8 @@ class GrammarCompiler:
             raise RequestError(f"invalid or unsupported {param.split('.')[-1]}: {_first_line(start)}", param)
         # The first mask builds the lexer's first states: its cost belongs to the compile, and an error that
         # only shows there (a grammar past llguidance's limits) is the request's 400, not a failure later.
-        scratch = torch.empty(bitmask_width(self.vocab_size), dtype=torch.int32)
-        start.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
+        scratch = np.empty(bitmask_width(self.vocab_size), dtype=np.int32)
+        start.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if start.is_error():
             raise RequestError(f"invalid or unsupported {param.split('.')[-1]}: {_first_line(start)}", param)
         elapsed = time.perf_counter() - t0
@@ -165,7 +168,7 @@ class GrammarCompiler:
         """Row i of `bitmask` (int32 `[N, bitmask_width]`, contiguous, on the host) := the tokens matcher i
         allows next: in llguidance's thread pool (the GIL released) for a large batch; in this thread for a
         small one, where a row's few microseconds cost less than waking the pool's threads."""
-        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+        assert bitmask.element_size() == 4 and bitmask.is_contiguous() and not bitmask.is_cuda
         row_bytes = bitmask.shape[1] * 4
         ptr = bitmask.data_ptr()
         if len(matchers) < PARALLEL_FILL_ROWS:
@@ -192,15 +195,6 @@ def wait(future: Future[Grammar], param: str, timeout: float = limits.GRAMMAR_CO
         raise RequestError(
             f"the {param.split('.')[-1]} did not compile within {limits.GRAMMAR_COMPILE_TIMEOUT_S} s", param
         ) from e
-
-
-def wait_grammar(request: EngineRequest, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar | None:
-    """The compiled grammar of a checked request (None without structured outputs), waited for; RequestError
-    naming the parameter if it is invalid or does not compile in time."""
-    spec = request.params.structured_outputs
-    if request.grammar is None or spec is None:
-        return None
-    return wait(request.grammar, f"structured_outputs.{spec.kind}", timeout)
 
 
 def _first_line(matcher: LLMatcher) -> str:
