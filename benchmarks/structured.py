@@ -11,8 +11,8 @@ earlier ends then, "stop", and the table says how many did and how many tokens e
     python benchmarks/structured.py --model /tmp/llama-3.1-8b --out benchmarks/results/structured-h200.json
     python benchmarks/structured.py --device cpu --num-requests 8 --prompt-range 16 64 --output-range 16 48
 
-Mask time is StepStats.mask_s (host: llguidance filling the step's bitmasks in its threads, their upload and the
-op queued); it overlaps the step's forward pass, so what it costs shows in the decode steps' wall time and the
+Mask time is StepStats.mask_s (host: llguidance filling the step's bitmasks, in its threads for a large batch);
+it overlaps the step's forward pass, so what it costs shows in the decode steps' wall time and the
 device's busy fraction beside the unconstrained run's (device time: CUDA events around each forward pass).
 """
 

@@ -164,7 +164,7 @@ class LLMEngine:
         # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
         # pruned each step of those that ended.
         self._constrained: set[str] = set()
-        self._mask_s = 0.0  # this step's host time filling and queueing token masks
+        self._mask_s = 0.0  # this step's host time filling token masks (llguidance)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # What exists now (the model's modules, the block pool, imported libraries: some 300k objects) lives as
@@ -548,17 +548,17 @@ class LLMEngine:
             count += 1
         if not rows:
             return count
-        t0 = time.perf_counter()
         cuda = logits.device.type == "cuda"
         bitmask = torch.empty((len(rows), bitmask_width(logits.shape[1])), dtype=torch.int32, pin_memory=cuda)
+        t0 = time.perf_counter()
         self.grammars.fill_bitmask(list(rows.values()), bitmask)
+        self._mask_s += time.perf_counter() - t0
         with torch.inference_mode():  # the logits are the runner's inference tensors, written in place
             ops.apply_token_bitmask(
                 logits,
                 bitmask.to(logits.device, non_blocking=True),
                 upload(list(rows), torch.int32, logits.device),
             )
-        self._mask_s += time.perf_counter() - t0
         return count
 
     def _isolated(

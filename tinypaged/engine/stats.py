@@ -39,7 +39,7 @@ class StepStats:
     schedule_s: float
     execute_s: float  # block moves and the forward pass, as queued (a GPU runs it asynchronously)
     sample_s: float  # the sampling pass, as queued (token masks included)
-    mask_s: float  # part of sample_s filling the grammars' token masks and queueing their upload and op
+    mask_s: float  # part of sample_s filling the grammars' token masks on the host (structured outputs)
     update_s: float  # applying tokens: forks, appends, stop checks, detokenization, outputs
     wait_s: float  # part of update_s spent waiting for sampled tokens to reach the host
     total_s: float
