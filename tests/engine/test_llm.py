@@ -142,8 +142,9 @@ def test_prompt_logprobs_match_gguf_oracle(oracle_model, llm: LLM) -> None:
         assert entry[token].rank == int((want[pos] > want[pos, token]).sum()) + 1
 
 
-def test_prompt_logprobs_with_its_prefix_cached(llm: LLM) -> None:
-    # Prefix caching is on by default; a scored prompt runs whole although its blocks are in the cache.
+def test_prompt_logprobs_with_its_prefix_cached(model_dir) -> None:
+    # A scored prompt runs whole although its blocks are in the cache.
+    llm = LLM(model=model_dir, seed=0, enable_prefix_caching=True)
     prompt = " ".join(PROMPTS * 6)  # several full blocks
     scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     [first] = llm.generate([prompt], [scored])
