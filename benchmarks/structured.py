@@ -161,6 +161,7 @@ def run(llm: LLM, work: list[tuple[list[int], int]], constrained: bool) -> dict[
         "output_tokens": n_out,
         "output_tokens_per_s": n_out / elapsed,
         "steps": summarize_steps(llm, stats),
+        "output_lens": [len(o.outputs[0].token_ids) for o in outs],
     }
     if not constrained:
         return res
@@ -179,6 +180,11 @@ def run(llm: LLM, work: list[tuple[list[int], int]], constrained: bool) -> dict[
         "ms_per_step_max": float(mask_ms.max()),
         "us_per_row_p50": float(np.percentile(per_row_us, 50)),
         "mean_rows": float(np.mean([s.num_constrained for s in masked])) if masked else 0.0,
+        # The slowest fills, to tell what makes the tail: (step, ms, rows).
+        "slowest": [
+            (s.step, round(1e3 * s.mask_s, 3), s.num_constrained)
+            for s in sorted(masked, key=lambda s: s.mask_s)[-8:]
+        ],
     }
     res["finished_by_grammar"] = len(stopped)
     res["valid_of_finished"] = valid
@@ -218,12 +224,28 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{step_ms:>16.2f}{d['gpu_busy_fraction']:>10.0%}"
             )
         lines.append(f"json_schema / unconstrained throughput: {ratio:.3f} (target >= 0.90)")
+        same = res.get("unconstrained_same_lengths", {})
+        if "output_tokens_per_s" in same:
+            # Requests that the grammar ends early make fewer tokens; the same lengths unconstrained compare
+            # the same work: the constraint's own cost.
+            d = same["steps"]["decode"]
+            lines.append(
+                f"{'unconstrained, the json run lengths':<14}: {same['output_tokens_per_s']:.1f} tok/s, "
+                f"{same['output_tokens']} tokens, {same['elapsed_s']:.2f} s, decode "
+                f"{1e3 * d['wall_s'] / max(1, d['steps']):.2f} ms/step, gpu busy {d['gpu_busy_fraction']:.0%}"
+            )
+            lines.append(
+                f"json_schema / unconstrained with the same output lengths: "
+                f"{json_['output_tokens_per_s'] / same['output_tokens_per_s']:.3f} (time "
+                f"{same['elapsed_s'] / json_['elapsed_s']:.3f})"
+            )
         m = json_["mask"]
         lines.append(
             f"mask fill per step: p50 {m['ms_per_step_p50']:.3f} ms, p99 {m['ms_per_step_p99']:.3f} ms, max "
             f"{m['ms_per_step_max']:.3f} ms over {m['steps']} steps (mean {m['mean_rows']:.0f} rows; "
             f"{m['us_per_row_p50']:.1f} us/row p50)"
         )
+        lines.append(f"slowest fills (step, ms, rows): {m.get('slowest')}")
         lines.append(
             f"finished by the grammar: {json_['finished_by_grammar']} of {res['requests']} "
             f"({json_['valid_of_finished']} valid); the rest ran to their length"
@@ -284,6 +306,10 @@ def main() -> None:
     section("compile", lambda: compile_times(llm))
     section("unconstrained", lambda: run(llm, work, constrained=False))
     section("json_schema", lambda: run(llm, work, constrained=True))
+    lens = res.get("json_schema", {}).get("output_lens")
+    if lens:
+        same = [(p, n) for (p, _), n in zip(work, lens, strict=True)]
+        section("unconstrained_same_lengths", lambda: run(llm, same, constrained=False))
     try:
         print_table(res)
     except Exception:
