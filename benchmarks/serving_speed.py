@@ -202,11 +202,10 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
 
 
 def serve_and_measure(
-    model: str, works: tuple[Work, Work], rate: float, max_model_len: int, budget: int, multi_turn: bool
+    model: str, works: tuple[Work, Work], rate: float, max_model_len: int, budget: int
 ) -> dict[str, Any]:
-    """Start `tinypaged serve` with this token budget per step, run the burst (of `works[0]`), the Poisson run
-    (of `works[1]`: other prompts, so that the prefix cache holds none of them) and, with `multi_turn`, the
-    multi-turn chats; stop it."""
+    """Start `tinypaged serve` with this token budget per step, run the burst (of `works[0]`) and the Poisson
+    run (of `works[1]`: other prompts, so that the prefix cache holds none of them); stop it."""
     flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
     t0 = time.perf_counter()
     with LocalServer(flags, start_timeout=600) as server:
@@ -214,20 +213,17 @@ def serve_and_measure(
         asyncio.run(http_run(server.url, [(p[::-1], o) for p, o in works[0][:8]], None))  # warm-up
         out["burst"] = asyncio.run(http_run(server.url, works[0], None))
         out["poisson"] = asyncio.run(http_run(server.url, works[1], rate))
-        if multi_turn:
-            try:
-                out["multi_turn"] = multi_turn_run(server.url)
-            except Exception as e:  # noqa: BLE001 - recorded; the burst and Poisson figures stand
-                out["multi_turn"] = {"error": f"{type(e).__name__}: {e}"}
         return out
 
 
-# Synthetic chats whose turns resend the whole history: what prefix caching is for. (The random models'
-# tokenizer encodes text byte by byte: 20-40 words are ~150-300 tokens, and a 4-turn history stays in 2048.)
+# Synthetic chats whose turns resend the whole history: what prefix caching is for. The random models'
+# tokenizer encodes text byte by byte (40-80 words are ~250-500 tokens, an answer's token ~6), so a 6-turn
+# history reaches ~4,000 tokens: the servers get --max-model-len 8192 for these.
 MULTI_TURN = [
-    "--dataset", "multi-turn", "--num-prompts", "48", "--turns", "3-4", "--prompt-len", "20-40",
+    "--dataset", "multi-turn", "--num-prompts", "48", "--turns", "4-6", "--prompt-len", "40-80",
     "--output-len", "16-32", "--request-rate", "4", "--seed", "5",
 ]  # fmt: skip
+MULTI_TURN_MAX_MODEL_LEN = 8192
 
 
 def multi_turn_run(url: str) -> dict[str, Any]:
@@ -266,22 +262,28 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return m.get("tinypaged:prefix_cache_hits_total", 0.0), m.get("tinypaged:prefix_cache_queries_total", 0.0)
 
 
-def multi_turn_without_prefix_caching(model: str, max_model_len: int, budget: int) -> dict[str, Any]:
-    """The multi-turn chats against a server with prefix caching off, for comparison."""
-    flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
-    with LocalServer([*flags, "--no-enable-prefix-caching"], start_timeout=600) as server:
-        return multi_turn_run(server.url)
+def multi_turn_on_and_off(model: str, budget: int) -> dict[str, Any]:
+    """The multi-turn chats against a server with prefix caching on, then one with it off (the default)."""
+    flags = ["--model", model, "--max-model-len", str(MULTI_TURN_MAX_MODEL_LEN)]
+    out = {}
+    for name, extra in (("on", ["--enable-prefix-caching"]), ("off", [])):
+        with LocalServer(
+            [*flags, "--max-num-batched-tokens", str(budget), *extra], start_timeout=600
+        ) as server:
+            out[name] = multi_turn_run(server.url)
+    return out
 
 
-def prefix_caching_cost(
-    on: list[dict[str, Any]], model: str, works: list[Work], max_model_len: int, budget: int
-) -> dict[str, Any]:
-    """W1 greedy with prefix caching off on `works`, beside the runs `on` made with it on (the default), on
-    workloads with no shared prefix."""
-    llm_off = LLM(
-        model=model, max_model_len=max_model_len, max_num_batched_tokens=budget, enable_prefix_caching=False
-    )
-    off = [offline(llm_off, w, "greedy") for w in works]
+def prefix_caching_cost(model: str, works: list[Work], max_model_len: int, budget: int) -> dict[str, Any]:
+    """W1 greedy with prefix caching on and off on `works[1:]`, workloads with no shared prefix. The engine
+    with it on first runs `works[0]`, so that its cache is full of blocks the measured runs must evict."""
+    kw = {"max_model_len": max_model_len, "max_num_batched_tokens": budget}
+    llm_on = LLM(model=model, enable_prefix_caching=True, **kw)
+    offline(llm_on, works[0], "greedy")
+    on = [offline(llm_on, w, "greedy", cold=False) for w in works[1:]]
+    free_llm(llm_on)
+    llm_off = LLM(model=model, enable_prefix_caching=False, **kw)
+    off = [offline(llm_off, w, "greedy") for w in works[1:]]
     free_llm(llm_off)
     ratios = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in zip(on, off, strict=True)]
     return {
@@ -366,7 +368,8 @@ def table(res: dict[str, Any]) -> str:
             ">= 99%",
             pc["mean_on_over_off"] >= 0.99,
         )
-    mt_on, mt_off = srv.get("multi_turn"), res.get("multi_turn_no_prefix_caching")
+    mt = res.get("multi_turn", {})
+    mt_on, mt_off = mt.get("on"), mt.get("off")
     if isinstance(mt_on, dict) and isinstance(mt_off, dict) and "ttft_ms" in mt_off:
         a, b = mt_on["ttft_ms"], mt_off["ttft_ms"]
         row(
@@ -427,7 +430,7 @@ def main() -> None:
         help="max_num_batched_tokens; the first is the main run's",
     )
     ap.add_argument(
-        "--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "prefix", "server"]
+        "--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "prefix", "server", "multi_turn"]
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
     args = ap.parse_args()
@@ -456,16 +459,11 @@ def main() -> None:
         section("sampler_alone", lambda: sampler_alone(cfg.vocab_size))
     if "latency" not in args.skip:
         section("latency", lambda: run_latency(llm))
-    prefix_works = [make_workload(args.num_requests, cfg.vocab_size, args.seed + k) for k in (1, 2)]
-    if "prefix" not in args.skip:
-        # Prefix caching on (the default), its cache full of the runs above, which these evict as they go.
-        section("prefix_on", lambda: [offline(llm, w, "greedy", cold=False) for w in prefix_works])
     free_llm(llm)
-    if "prefix" not in args.skip and isinstance(res.get("prefix_on"), list):
-        on = res.pop("prefix_on")
+    if "prefix" not in args.skip:
+        works = [work] + [make_workload(args.num_requests, cfg.vocab_size, args.seed + k) for k in (1, 2)]
         section(
-            "prefix_caching",
-            lambda: prefix_caching_cost(on, args.model, prefix_works, args.max_model_len, budgets[0]),
+            "prefix_caching", lambda: prefix_caching_cost(args.model, works, args.max_model_len, budgets[0])
         )
     # The token budget per step: W1 offline (greedy) and over HTTP at each of the other budgets.
     res["by_budget"] = {budgets[0]: {"offline_greedy": res.get("offline", {}).get("greedy")}}
@@ -477,20 +475,14 @@ def main() -> None:
     if "server" not in args.skip:
         works = (work, make_workload(args.num_requests, cfg.vocab_size, args.seed + 1))
         for budget in budgets:
-            multi_turn = budget == budgets[0] and "prefix" not in args.skip
             section(
                 "server_budget",
-                lambda b=budget, m=multi_turn: serve_and_measure(
-                    args.model, works, args.rate, args.max_model_len, b, m
-                ),
+                lambda b=budget: serve_and_measure(args.model, works, args.rate, args.max_model_len, b),
             )
             res["by_budget"][budget].update(res.pop("server_budget"))
         res["server"] = res["by_budget"][budgets[0]]
-        if "prefix" not in args.skip:
-            section(
-                "multi_turn_no_prefix_caching",
-                lambda: multi_turn_without_prefix_caching(args.model, args.max_model_len, budgets[0]),
-            )
+    if "multi_turn" not in args.skip:
+        section("multi_turn", lambda: multi_turn_on_and_off(args.model, budgets[0]))
     res["table"] = table(res)
     write_json(args.out, res)
     if os.environ.get("OUT"):
