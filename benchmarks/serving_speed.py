@@ -430,7 +430,10 @@ def main() -> None:
         help="max_num_batched_tokens; the first is the main run's",
     )
     ap.add_argument(
-        "--skip", nargs="*", default=[], choices=["offline", "latency", "sampler", "prefix", "server", "multi_turn"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["offline", "latency", "sampler", "prefix", "server", "multi_turn"],
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
     args = ap.parse_args()
