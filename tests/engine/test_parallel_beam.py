@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.llm_engine import LLMEngine, StepError
+from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.queued_step import StepError
 
 
 def _idle_and_clean(engine: LLMEngine) -> None:

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 from tinypaged import limits
 from tinypaged.config import EngineConfig
-from tinypaged.engine.llm_engine import LLMEngine, StepError
+from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError

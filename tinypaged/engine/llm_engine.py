@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,89 +24,17 @@ from tinypaged.engine.inputs import InputProcessor
 from tinypaged.engine.model_runner import ExecuteOutput
 from tinypaged.engine.output_processor import OutputProcessor
 from tinypaged.engine.parallel_sampling import ParallelSampling
+from tinypaged.engine.queued_step import QueuedStep, StepError
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
-from tinypaged.engine.staging import PendingTokens
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, wait
-from tinypaged.errors import EngineDeadError, EngineError, RequestError
+from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class StepError(EngineError):
-    """A step raised: the requests it concerned were aborted (their blocks freed); the rest go on."""
-
-    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids  # the failed requests
-        self.outputs = outputs  # outputs of other requests produced before the failure (e.g. ignored ones)
-
-
-@dataclass(eq=False)
-class _QueuedStep:
-    """One step's draws as queued on the device, applied once their results reach the host: at once, or
-    (deferred, async scheduling) during the next step, after that step's forward pass has been queued. The
-    sequences of a deferred step carry their sampled token as pending until then."""
-
-    index: int
-    token_draws: list[tuple[Request, Draw]]  # row i of `sampled`
-    sampled: SampledBatch | None
-    score_draws: list[tuple[Request, Draw]]  # row i of `scores`
-    scores: torch.Tensor | None  # log-probability rows (beam search)
-    deferred: bool
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the forward pass (runner.time_device)
-    num_constrained: int = 0  # draws that follow a grammar (their logits rows masked)
-    wait_s: float = 0.0
-    device_s: float | None = None
-
-    @property
-    def constrained(self) -> bool:
-        """Whether a draw follows a grammar: the next step's masks need this step's tokens first."""
-        return self.num_constrained > 0
-
-    @property
-    def num_draws(self) -> int:
-        """Draws queued in this step."""
-        return len(self.token_draws) + len(self.score_draws)
-
-    def request_ids(self) -> list[str]:
-        """The requests with draws in this step."""
-        return list(dict.fromkeys(req.request_id for req, _ in self.token_draws + self.score_draws))
-
-    def pending_tokens(self) -> PendingTokens | None:
-        """Where the next step finds each sequence's token on the device (deferred steps)."""
-        if self.sampled is None:
-            return None
-        return PendingTokens(
-            self.sampled.token_ids, {d.seq.seq_id: i for i, (_, d) in enumerate(self.token_draws)}
-        )
-
-    def results(self) -> tuple[list[tuple[Request, Draw, Any]], set[Request]]:
-        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host; and
-        the requests with a draw whose distribution was unusable (NaN, infinities, or every token banned)."""
-        t0 = time.perf_counter()
-        out: list[tuple[Request, Draw, Any]] = []
-        invalid: set[Request] = set()
-        if self.sampled is not None:
-            result = self.sampled.result()
-            out += [(req, d, s) for (req, d), s in zip(self.token_draws, result.samples(), strict=True)]
-            if result.valid is not None and not all(result.valid):
-                invalid.update(
-                    req for (req, _), ok in zip(self.token_draws, result.valid, strict=True) if not ok
-                )
-        if self.scores is not None:
-            out += [(req, d, self.scores[i]) for i, (req, d) in enumerate(self.score_draws)]
-            finite = torch.isfinite(self.scores.amax(dim=-1)).tolist()
-            invalid.update(req for (req, _), ok in zip(self.score_draws, finite, strict=True) if not ok)
-        if self.events is not None:
-            self.events[1].synchronize()
-            self.device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
-        self.wait_s = time.perf_counter() - t0
-        return out, invalid
 
 
 class LLMEngine:
@@ -157,7 +84,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._num_steps = 0
-        self._inflight: _QueuedStep | None = None  # a deferred step, applied during the next one
+        self._inflight: QueuedStep | None = None  # a deferred step, applied during the next one
         # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
         # scheduler sees them once it is ready, and the other requests run meanwhile.
         self._compiling: dict[str, tuple[Request, Future[Grammar], float]] = {}
@@ -330,7 +257,7 @@ class LLMEngine:
         self._num_steps += 1
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
-        applied: list[_QueuedStep] = []
+        applied: list[QueuedStep] = []
         sched: SchedulerOutput | None = None
         self._mask_s = 0.0
         try:
@@ -441,7 +368,7 @@ class LLMEngine:
         return [self.output.failed(req)]
 
     def _execute(
-        self, index: int, sched: SchedulerOutput, prev: _QueuedStep | None, failed: list[RequestOutput]
+        self, index: int, sched: SchedulerOutput, prev: QueuedStep | None, failed: list[RequestOutput]
     ) -> ExecuteOutput | None:
         """The runner's step (queued, not awaited). Input tokens still on the device are read from the last
         step's samples; requests with prompt_logprobs get the logits of their prompt chunk and score it."""
@@ -466,7 +393,7 @@ class LLMEngine:
 
     def _sample(
         self, index: int, sched: SchedulerOutput, executed: ExecuteOutput, failed: list[RequestOutput]
-    ) -> _QueuedStep:
+    ) -> QueuedStep:
         """Queue every draw the requests' strategies ask for, in one sampler pass (and one scoring pass for
         beam rows); defer the step when async scheduling is on and every draw may stay on the device. A
         request whose draws cannot be made fails alone (its output into `failed`)."""
@@ -524,7 +451,7 @@ class LLMEngine:
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
-        return _QueuedStep(index, token, sampled, score, scores, deferred, executed.events, num_constrained)
+        return QueuedStep(index, token, sampled, score, scores, deferred, executed.events, num_constrained)
 
     def _mask(
         self,
@@ -606,7 +533,7 @@ class LLMEngine:
         banned = tuple(self.eos_ids | set(p.stop_token_ids)) if num_outputs < p.min_tokens else ()
         return SamplingRow(p, prompt_ids, output_ids, draw.seed_key, banned, num_outputs)
 
-    def _update(self, step: _QueuedStep) -> list[RequestOutput]:
+    def _update(self, step: QueuedStep) -> list[RequestOutput]:
         """Apply a step's results: each request's strategy plans, the plan is applied, its output built. A
         request whose distribution was unusable, or whose update raises, fails alone."""
         results, invalid = step.results()
@@ -675,7 +602,7 @@ class LLMEngine:
             seq.append_token(token)
         self.generation_tokens_total += 1
 
-    def _fail_step(self, sched: SchedulerOutput | None, prev: _QueuedStep | None) -> list[str]:
+    def _fail_step(self, sched: SchedulerOutput | None, prev: QueuedStep | None) -> list[str]:
         """Abort the requests a failed step touched: scheduled, swapped out (their copies may be torn), or
         waiting for the tokens of a deferred step that was not applied."""
         ids: dict[str, None] = {}
