@@ -10,6 +10,7 @@ import ...` needs no path edits. Nothing here reaches into the engine: it reads 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
@@ -530,3 +531,15 @@ def section(res: dict[str, Any], name: str, fn: Any, out: str | Path | None = No
     if out:
         write_json(out, res)
     return res[name]
+
+
+def add_w1_args(ap: argparse.ArgumentParser) -> None:
+    """W1's workload and engine arguments, with W1's values as defaults (BENCHMARKS.md, "Targets")."""
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
+    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import device_name, generate_with_stats, make_workload, summarize_steps, sync_device
+from common import add_w1_args, device_name, generate_with_stats, make_workload, summarize_steps, sync_device
 from common import section as run_section
 
 from tinypaged import LLM, SamplingParams
@@ -265,14 +265,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: the default model)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
-    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_w1_args(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from common import (
+    add_w1_args,
     common_prefix,
     device_name,
     greedy,
@@ -306,14 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
-    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_w1_args(ap)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[17, 130, 255, 512, 1000])
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -34,6 +34,7 @@ from common import (
     COPY_TBPS,
     MATMUL_TFLOPS,
     Work,
+    add_w1_args,
     device_name,
     fp32_greedy_check,
     free_llm,
@@ -325,14 +326,7 @@ def print_table(res: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model directory (e.g. from `tinypaged weights random`)")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 1024), help="W1: 64 1024")
-    ap.add_argument("--output-range", type=int, nargs=2, default=(32, 512), help="W1: 32 512")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    add_w1_args(ap)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument(
         "--hf-requests", type=int, default=64, help="run HF static generate() on the first N (0: skip)"
