@@ -42,10 +42,13 @@ SAMPLED = {
 }
 
 
-def offline(llm: LLM, work: Work, name: str, cold: bool = True) -> dict[str, Any]:
+def offline(llm: LLM, work: Work, name: str, cold: bool = True, mixed_graphs: bool = True) -> dict[str, Any]:
     """W1 through the engine's own loop with the `name` sampling settings (a seed per request). `cold`: the
-    prefix cache emptied first (else it holds what earlier runs left, which this run's blocks evict)."""
+    prefix cache emptied first (else it holds what earlier runs left, which this run's blocks evict).
+    `mixed_graphs` off: steps with prefill chunks run eagerly (decode steps still replay their graphs)."""
     kw = SAMPLED[name]
+    runner = llm.engine.runner
+    runner.use_mixed_graphs = mixed_graphs
     params = [
         SamplingParams(max_tokens=o, ignore_eos=True, seed=None if name == "greedy" else i, **kw)
         for i, (_, o) in enumerate(work)
@@ -57,6 +60,7 @@ def offline(llm: LLM, work: Work, name: str, cold: bool = True) -> dict[str, Any
     t0 = time.perf_counter()
     outs, stats = generate_with_stats(llm, prompts, params, time_device=False, cold=cold)
     elapsed = time.perf_counter() - t0
+    runner.use_mixed_graphs = True
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(o for _, o in work)
     return {
@@ -67,6 +71,8 @@ def offline(llm: LLM, work: Work, name: str, cold: bool = True) -> dict[str, Any
         "step_s_total": sum(s.total_s for s in stats),  # the engine's host time in steps
         "host_sample_s": sum(s.sample_s for s in stats),  # queuing the sampling pass
         "host_wait_s": sum(s.wait_s for s in stats),  # waiting for sampled tokens
+        "mixed_steps": sum(1 for s in stats if s.num_prefill_tokens),
+        "mixed_steps_in_graphs": sum(1 for s in stats if s.num_prefill_tokens and s.graph_num_tokens),
     }
 
 
@@ -128,7 +134,7 @@ async def stream_one(
         "stream_options": {"include_usage": True},
     }
     start = last = time.perf_counter()
-    res: dict[str, Any] = {"ttft": None, "itl": [], "tokens": 0, "error": None}
+    res: dict[str, Any] = {"ttft": None, "itl": [], "tokens": 0, "chunks": 0, "error": None}
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             res["error"] = f"HTTP {resp.status}"
@@ -145,6 +151,7 @@ async def stream_one(
             if not chunk["choices"]:
                 continue
             now = time.perf_counter()
+            res["chunks"] += 1
             if res["ttft"] is None:
                 res["ttft"] = now - start
             else:
@@ -169,6 +176,10 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
     delays = np.zeros(len(work)) if rate is None else np.cumsum(rng.exponential(1 / rate, len(work)))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     steps, step_s = "tinypaged:engine_steps_total", "tinypaged:engine_step_seconds_sum"
+
+    def le(ms: int) -> str:  # the step-time histogram's bucket of steps up to `ms`
+        return f"tinypaged:engine_step_seconds_bucket{{le={ms / 1e3:g}}}"
+
     before = await asyncio.to_thread(scrape, url)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -185,6 +196,8 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
         "step_s_total": after[step_s] - before[step_s],
         "busy_fraction": (after[step_s] - before[step_s]) / elapsed,
         "mean_step_ms": 1e3 * (after[step_s] - before[step_s]) / max(1.0, n_steps),
+        # Steps whose host time exceeded 25, 50 and 100 ms (the step-time histogram's buckets).
+        "steps_over_ms": {ms: n_steps - (after[le(ms)] - before[le(ms)]) for ms in (25, 50, 100)},
     }
     ok = [r for r in results if r["error"] is None]
     tokens = sum(r["tokens"] for r in ok)
@@ -197,6 +210,8 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
         "output_tokens_per_s": tokens / elapsed,
         "ttft": pct([r["ttft"] for r in ok]),
         "itl": pct([x for r in ok for x in r["itl"]]),
+        # Tokens that reached their client merged into a chunk with the next (the stream lagged the engine).
+        "merged_token_fraction": 1 - sum(r["chunks"] for r in ok) / max(1, tokens),
         "engine": engine,
     }
 
@@ -252,7 +267,9 @@ def scrape(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = float(value)
+            base, _, labels = name.partition("{")
+            le = labels.partition('le="')[2].partition('"')[0]
+            values[f"{base}{{le={le}}}" if le else base] = float(value)
     return values
 
 
@@ -398,19 +415,22 @@ def table(res: dict[str, Any]) -> str:
     if len(budgets) < 2:
         return main_table
     lines = [
-        "| tokens per step | W1 offline tok/s | 256 streams tok/s (% offline) | ITL p50 / p99 ms | "
-        "Poisson TTFT p50 / p99 ms | Poisson ITL p50 / p99 ms |",
-        "|---|---|---|---|---|---|",
+        "| tokens per step | W1 offline tok/s (mixed steps eager) | 256 streams tok/s (% offline) | ITL p50 / p99 ms "
+        "| steps > 50 ms; tokens merged | Poisson TTFT p50 / p99 ms | Poisson ITL p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for budget, r in budgets.items():
         off_tps = (r.get("offline_greedy") or {}).get("output_tokens_per_s")
+        eager = (r.get("offline_greedy_eager_mixed") or {}).get("output_tokens_per_s")
         b, p = r.get("burst"), r.get("poisson")
         if not off_tps or not b or not p:
             continue
         lines.append(
-            f"| {budget} | {off_tps:.0f} | {b['output_tokens_per_s']:.0f} ({b['output_tokens_per_s'] / off_tps:.1%}) "
-            f"| {b['itl']['p50_ms']:.1f} / {b['itl']['p99_ms']:.1f} | {p['ttft']['p50_ms']:.0f} / "
-            f"{p['ttft']['p99_ms']:.0f} | {p['itl']['p50_ms']:.1f} / {p['itl']['p99_ms']:.1f} |"
+            f"| {budget} | {off_tps:.0f}{f' ({eager:.0f})' if eager else ''} | {b['output_tokens_per_s']:.0f} "
+            f"({b['output_tokens_per_s'] / off_tps:.1%}) | {b['itl']['p50_ms']:.1f} / {b['itl']['p99_ms']:.1f} | "
+            f"{b['engine']['steps_over_ms'][50]:.0f} of {b['engine']['steps']:.0f}; "
+            f"{b['merged_token_fraction']:.1%} | {p['ttft']['p50_ms']:.0f} / {p['ttft']['p99_ms']:.0f} | "
+            f"{p['itl']['p50_ms']:.1f} / {p['itl']['p99_ms']:.1f} |"
         )
     return main_table + "\n\n" + "\n".join(lines)
 
@@ -433,7 +453,12 @@ def main() -> None:
         "--skip",
         nargs="*",
         default=[],
-        choices=["offline", "latency", "sampler", "prefix", "server", "multi_turn"],
+        choices=["offline", "sampled", "latency", "sampler", "prefix", "server", "multi_turn"],
+    )
+    ap.add_argument(
+        "--eager-mixed",
+        action="store_true",
+        help="at each budget after the first, W1 offline with steps that hold prefill chunks run eagerly too",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
     args = ap.parse_args()
@@ -455,9 +480,12 @@ def main() -> None:
     res["roofline"] = roofline(cfg, work)
     if "offline" not in args.skip:
         res["offline"] = {}
-        for name in SAMPLED:
+        for name in SAMPLED if "sampled" not in args.skip else ["greedy"]:
             section("offline_" + name, lambda name=name: offline(llm, work, name))
             res["offline"][name] = res.pop("offline_" + name)
+        if args.eager_mixed:
+            section("offline_eager_mixed", lambda: offline(llm, work, "greedy", mixed_graphs=False))
+            res["offline"]["greedy_eager_mixed"] = res.pop("offline_eager_mixed")
     if "sampler" not in args.skip:
         section("sampler_alone", lambda: sampler_alone(cfg.vocab_size))
     if "latency" not in args.skip:
@@ -469,11 +497,20 @@ def main() -> None:
             "prefix_caching", lambda: prefix_caching_cost(args.model, works, args.max_model_len, budgets[0])
         )
     # The token budget per step: W1 offline (greedy) and over HTTP at each of the other budgets.
-    res["by_budget"] = {budgets[0]: {"offline_greedy": res.get("offline", {}).get("greedy")}}
+    off = res.get("offline", {})
+    res["by_budget"] = {
+        budgets[0]: {
+            "offline_greedy": off.get("greedy"),
+            "offline_greedy_eager_mixed": off.get("greedy_eager_mixed"),
+        }
+    }
     for budget in budgets[1:]:
         llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_batched_tokens=budget)
         section("offline_budget", lambda llm=llm: offline(llm, work, "greedy"))
         res["by_budget"][budget] = {"offline_greedy": res.pop("offline_budget")}
+        if args.eager_mixed:
+            section("offline_budget", lambda llm=llm: offline(llm, work, "greedy", mixed_graphs=False))
+            res["by_budget"][budget]["offline_greedy_eager_mixed"] = res.pop("offline_budget")
         free_llm(llm)
     if "server" not in args.skip:
         works = (work, make_workload(args.num_requests, cfg.vocab_size, args.seed + 1))

@@ -168,6 +168,11 @@ class EngineConfig:
         choices=("recompute", "swap"),
     )
     enforce_eager: bool = _arg(False, "run every step eagerly (no CUDA graphs)")
+    cuda_graph_max_tokens: int = _arg(
+        2048,
+        "largest step with prefill chunks, in tokens, replayed from a CUDA graph (larger ones run eagerly; "
+        "decode-only steps have graphs up to max_num_seqs); 0: such steps always run eagerly",
+    )
     async_scheduling: bool | None = _arg(
         None, "overlap each step's host work with the device's; default: on for a GPU"
     )
@@ -216,6 +221,7 @@ class EngineConfig:
             ("cpu_kv_cache_space", self.cpu_kv_cache_space > 0, "> 0 GiB"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("cuda_graph_max_tokens", self.cuda_graph_max_tokens >= 0, ">= 0"),
             ("max_model_len", self.max_model_len >= 1, ">= 1"),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
         ):

@@ -110,3 +110,28 @@ def test_facade() -> None:
     q, kv, bt, seq_lens, qsl = make_batch([2, 1], [6, 9], 1, 3, 64, 8, torch.float32, seed=3)
     out = ops.paged_attention(q, kv, bt, seq_lens, qsl, 0.2)
     check(out, ops.ref_paged_attention(q, kv, bt, seq_lens, qsl, 0.2))
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "ctx_lens", "splits"), [([1, 9, 1, 23], [37, 0, 5, 18], 2), ([1, 1], [12, 40], 3)]
+)
+def test_padded_as_a_cuda_graph(q_lens: list[int], ctx_lens: list[int], splits: int) -> None:
+    """The layout of a mixed-step CUDA graph: the batch's rows padded with sequences of no tokens and no
+    context, its tokens with rows of no sequence, and the graph's token count as max_query_len. The real rows
+    equal the unpadded batch's; the padding is neither read nor a cause of errors."""
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, ctx_lens, 2, 4, 64, 16, torch.float32, seed=len(q_lens))
+    want = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits)
+    n_tok, n_seq = q.shape[0], len(q_lens)
+    pad_tok, pad_seq = n_tok + 13, n_seq + 6
+    q_pad = torch.cat([q, torch.randn(pad_tok - n_tok, *q.shape[1:])])
+    bt_pad = torch.cat([bt, torch.full((pad_seq - n_seq, bt.shape[1]), -1, dtype=torch.int32)])
+    lens_pad = torch.cat([seq_lens, torch.zeros(pad_seq - n_seq, dtype=torch.int32)])
+    qsl_pad = torch.cat([qsl, torch.full((pad_seq - n_seq,), n_tok, dtype=torch.int32)])
+    out = torch.full_like(q_pad, float("nan"))
+    scale = q.shape[-1] ** -0.5
+    attention.paged_attention(
+        q_pad, kv, bt_pad, lens_pad, qsl_pad, scale, max_query_len=pad_tok, max_seq_len=64,
+        num_kv_splits=splits, out=out,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:n_tok], want, atol=1e-5, rtol=0)
+    assert out[n_tok:].isnan().all(), "a padding token's row was written"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import ScheduledSeq, SchedulerOutput
-from tinypaged.engine.model_runner import resolve_device
+from tinypaged.engine.model_runner import GraphChoice, resolve_device
 from tinypaged.model.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -65,11 +65,11 @@ def error_key(rank: int) -> str:
 @dataclass(frozen=True)
 class StepPlan:
     """One engine step as every rank runs it: the scheduler's output, the sequences whose prompt logits are
-    asked for, and the decode graph to replay (0: eager), as rank 0 chose it."""
+    asked for, and the CUDA graph to replay, as rank 0 chose it."""
 
     sched: SchedulerOutput
     prompt_logits_of: tuple[int, ...]
-    graph_batch_size: int
+    graph: GraphChoice
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # Pickled as plain tuples: five times faster both ways than the frozen dataclasses field by field, on
@@ -77,18 +77,21 @@ class StepPlan:
         s = self.sched
         seqs = tuple(map(_SEQ_FIELDS, s.scheduled))
         moves = (s.blocks_to_swap_out, s.blocks_to_swap_in, s.blocks_to_copy, s.num_batched_tokens)
-        return _step_plan, (seqs, moves, self.prompt_logits_of, self.graph_batch_size)
+        return _step_plan, (seqs, moves, self.prompt_logits_of, tuple(self.graph))
 
 
 _SEQ_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ScheduledSeq)))
 
 
 def _step_plan(
-    seqs: tuple[tuple[Any, ...], ...], moves: tuple[Any, ...], prompt_logits_of: tuple[int, ...], bs: int
+    seqs: tuple[tuple[Any, ...], ...],
+    moves: tuple[Any, ...],
+    prompt_logits_of: tuple[int, ...],
+    graph: tuple[int, int],
 ) -> StepPlan:
     out, swap_in, copy, tokens = moves
     sched = SchedulerOutput(tuple(ScheduledSeq(*f) for f in seqs), out, swap_in, copy, (), (), tokens)
-    return StepPlan(sched, prompt_logits_of, bs)
+    return StepPlan(sched, prompt_logits_of, GraphChoice(*graph))
 
 
 @dataclass(frozen=True)

@@ -144,9 +144,9 @@ class Executor:
             return self.runner.execute(sched, prompt_logits_of, pending)
         self.check()
         try:
-            bs = self.runner.graph_batch_size(sched, eager=bool(prompt_logits_of))
-            self._group.send(StepPlan(sched, tuple(prompt_logits_of), bs))
-            return self.runner.execute(sched, prompt_logits_of, pending, bs)
+            graph = self.runner.choose_graph(sched, eager=bool(prompt_logits_of))
+            self._group.send(StepPlan(sched, tuple(prompt_logits_of), graph))
+            return self.runner.execute(sched, prompt_logits_of, pending, graph)
         except Exception as e:
             raise self._fatal(e) from e
 

@@ -313,6 +313,7 @@ class LLMEngine:
             num_draws=queued.num_draws if queued is not None else 0,
             num_constrained=queued.num_constrained if queued is not None else 0,
             graph_batch_size=executed.graph_batch_size if executed is not None else 0,
+            graph_num_tokens=executed.graph_num_tokens if executed is not None else 0,
             num_preempted=len(sched.preempted),
             num_preempted_pending=preempted_pending,
             num_blocks_swapped_out=len(sched.blocks_to_swap_out),

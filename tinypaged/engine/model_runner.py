@@ -2,9 +2,11 @@
 
 On a GPU a step is built to stay off the host's critical path: the batch's integers are packed into one pinned
 buffer and sent in one non-blocking copy, the attention launch gets its bounds from the host (no device
-syncs), and decode-only batches replay a CUDA graph captured for the next batch size up (padding rows write no
-K/V and attend to nothing). Prefill and mixed batches run eagerly. The only synchronisation of a step is the
-sampler's read of the sampled tokens. The staging itself lives in `staging.py`.
+syncs), and steps replay CUDA graphs where their shapes allow: decode-only batches the graph captured for the
+next batch size up, steps with prefill chunks (up to `cuda_graph_max_tokens`) the graph of the next token count
+up, captured with every sequence row (padding rows and tokens write no K/V and attend to nothing; the attention
+kernel's grid depends on shapes only). Larger steps, and steps that score prompts, run eagerly. The only
+synchronisation of a step is the sampler's read of the sampled tokens. The staging itself lives in `staging.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +61,27 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the steps with prefill chunks that get a CUDA graph: 16 to 128 by doubling, multiples
+    of 128 to 1024, of 256 above, and `max_tokens` (0: none). Such steps near 1,000 tokens are compute-bound,
+    so a padded token costs as much as a real one: the larger the step, the finer the steps."""
+    if max_tokens < 16:
+        return []
+    sizes = {16, 32, 64} | set(range(128, min(max_tokens, 1024) + 1, 128)) | set(range(1280, max_tokens, 256))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+class GraphChoice(NamedTuple):
+    """The CUDA graph a step replays: a decode graph (its batch size), a mixed-step graph (its token count), or
+    neither (both 0: the step runs eagerly)."""
+
+    batch_size: int = 0
+    num_tokens: int = 0
+
+
+EAGER = GraphChoice()
+
+
 @dataclass(frozen=True)
 class ExecuteOutput:
     """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
@@ -66,6 +90,7 @@ class ExecuteOutput:
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     graph_batch_size: int = 0  # > 0: the forward pass replayed the decode graph of this batch size
+    graph_num_tokens: int = 0  # > 0: the forward pass replayed the mixed-step graph of this many tokens
     # Recorded before and after the forward pass when `ModelRunner.time_device` is on (CUDA only).
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -82,14 +107,16 @@ class RunnerStats:
     graph_capture_s: float = 0.0
     graph_pool_bytes: int = 0
     graph_batch_sizes: list[int] = field(default_factory=list)
+    graph_token_sizes: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
     """Loads the weights, allocates the paged KV cache (and its CPU swap space), runs forward passes.
 
     `use_cuda_graphs` may be switched off at run time (the graphs stay captured), e.g. to time eager decoding
-    on the same engine. `time_device` (benchmarks) records CUDA events around each forward pass; the engine
-    reports the time between them in its step statistics.
+    on the same engine; `use_mixed_graphs` likewise for the graphs of steps with prefill chunks alone.
+    `time_device` (benchmarks) records CUDA events around each forward pass; the engine reports the time between
+    them in its step statistics.
 
     Under tensor parallelism (`tp` of several ranks) each rank has a runner over its share of the weights and
     of the KV heads, and runs every step of the same plan (executor.py): the collectives of the forward pass
@@ -115,7 +142,15 @@ class ModelRunner:
         self.num_kv_heads = kv_end - kv_start  # this rank's
         shape = (mcfg.num_layers, 2, self.block_size, self.num_kv_heads, mcfg.head_dim)
         self.block_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
-        self._staging = Staging(config, self.device, ids_from_rank0=self.tp.rank > 0)
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        max_graph_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
+        self._token_sizes = graph_token_sizes(max_graph_tokens) if self.use_cuda_graphs else []
+        self._staging = Staging(
+            config,
+            self.device,
+            ids_from_rank0=self.tp.rank > 0,
+            max_graph_tokens=self._token_sizes[-1] if self._token_sizes else 0,
+        )
         # Every rank holds every block (its share of each): the rank with the least memory decides.
         self.num_gpu_blocks = self.tp.min_int(
             config.num_gpu_blocks_override or self._blocks_that_fit(), self.device
@@ -129,19 +164,21 @@ class ModelRunner:
         self.swap_cache = self._allocate(
             self.num_cpu_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
-        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.time_device = False
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.use_mixed_graphs = True
+        self._graphs: dict[GraphChoice, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         if self.use_cuda_graphs:
             self._capture_graphs()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB), swap: %d blocks; CUDA graphs for %s",
+            "KV cache: %d blocks of %d tokens (%.2f GiB), swap: %d blocks; CUDA graphs for decode batches %s "
+            "and steps of %s tokens",
             self.num_gpu_blocks,
             self.block_size,
             self.num_gpu_blocks * self.block_bytes / GiB,
             self.num_cpu_blocks,
-            self._graph_sizes or "no batch size",
+            self._graph_sizes or "(none)",
+            self._token_sizes or "(none)",
         )
 
     def _allocate(
@@ -214,8 +251,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """Capture the forward pass of a decode batch for each size of `graph_batch_sizes`, largest first,
-        all in one memory pool; each reads its inputs from the staging area's persistent graph buffers.
+        """Capture the forward pass of a decode batch for each size of `graph_batch_sizes`, then of a step with
+        prefill chunks for each token count of `graph_token_sizes`, largest first, all in one memory pool; each
+        reads its inputs from the staging area's persistent graph buffers.
 
         Under tensor parallelism the graphs hold the step's collectives too (NCCL kernels are captured like any
         other): the broadcast of rank 0's input ids, then the forward pass with its all-reduces."""
@@ -224,10 +262,14 @@ class ModelRunner:
         st = self._staging
         pool = torch.cuda.graph_pool_handle()
         sizes = graph_batch_sizes(self.config.max_num_seqs)
+        max_len = self.config.max_model_len
+        inputs = [
+            (GraphChoice(num_tokens=t), st.mixed_graph_input(t, max_len)) for t in self._token_sizes[::-1]
+        ]
+        inputs += [(GraphChoice(batch_size=bs), st.graph_input(bs, max_len)) for bs in sizes[::-1]]
         # NCCL's watchdog thread queries events while we capture: only this thread's calls are checked.
         mode = "thread_local" if self.tp.size > 1 else "global"
-        for bs in reversed(sizes):
-            inp = st.graph_input(bs, self.config.max_model_len)
+        for key, inp in inputs:
             side = torch.cuda.Stream(self.device)  # warm up off the capture's stream, as torch advises
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -238,31 +280,46 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 out = self._forward(inp, self.kv_cache, ids_pending=True)
-            self._graphs[bs] = (graph, out)
+            self._graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
         self._graph_sizes = sizes
         self.stats.graph_batch_sizes = sizes
+        self.stats.graph_token_sizes = self._token_sizes
         self.stats.graph_capture_s = time.perf_counter() - t0
         self.stats.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
-    def graph_batch_size(self, out: SchedulerOutput, eager: bool = False) -> int:
-        """The captured batch size this step pads up to, or 0 when it runs eagerly (always, with `eager`)."""
+    def choose_graph(self, out: SchedulerOutput, eager: bool = False) -> GraphChoice:
+        """The CUDA graph this step replays (EAGER: none; always, with `eager`): a decode-only batch the decode
+        graph of the next batch size up, any other step the mixed-step graph of the next token count up."""
         if eager or not (self.use_cuda_graphs and self._graphs and ops.uses_triton(self.kv_cache)):
-            return 0
+            return EAGER
         scheduled = out.scheduled
         n = len(scheduled)
-        if n > self._graph_sizes[-1] or any(s.num_new_tokens != 1 or not s.do_sample for s in scheduled):
-            return 0
-        return self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
+        sizes = self._graph_sizes
+        if n <= sizes[-1] and all(s.num_new_tokens == 1 and s.do_sample for s in scheduled):
+            return GraphChoice(batch_size=sizes[bisect.bisect_left(sizes, n)])
+        tokens = self._token_sizes
+        if (
+            tokens
+            and self.use_mixed_graphs
+            and out.num_batched_tokens <= tokens[-1]
+            and n <= self.config.max_num_seqs
+        ):
+            return GraphChoice(num_tokens=tokens[bisect.bisect_left(tokens, out.num_batched_tokens)])
+        return EAGER
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput, bs: int = 0, pending: PendingTokens | None = None) -> ModelInput:
-        """The step's batch tensors, staged through one pinned buffer (the graph buffers of batch size `bs`
-        when it is not 0); input tokens still pending on the device are gathered from `pending` there."""
-        if bs:
-            return self._staging.stage_decode(out.scheduled, bs, self.config.max_model_len, pending)
-        return self._staging.stage(out.scheduled, pending)
+    def prepare(
+        self, out: SchedulerOutput, graph: GraphChoice = EAGER, pending: PendingTokens | None = None
+    ) -> ModelInput:
+        """The step's batch tensors, staged through one pinned buffer (into the buffers of the `graph` it
+        replays); input tokens still pending on the device are gathered from `pending` there."""
+        if graph.batch_size:
+            return self._staging.stage_decode(
+                out.scheduled, graph.batch_size, self.config.max_model_len, pending
+            )
+        return self._staging.stage(out.scheduled, pending, graph.num_tokens)
 
     def _forward(self, inp: ModelInput, kv_cache: torch.Tensor, ids_pending: bool) -> torch.Tensor:
         """The model over a staged batch. Under tensor parallelism, when some input ids are pending on the
@@ -285,16 +342,16 @@ class ModelRunner:
         out: SchedulerOutput,
         prompt_logits_of: Collection[int] = (),
         pending: PendingTokens | None = None,
-        graph_batch_size: int | None = None,
+        graph: GraphChoice | None = None,
     ) -> ExecuteOutput | None:
         """Perform the step's block moves and forward pass; the logits of the sampled rows and, for each
         index of `out.scheduled` in `prompt_logits_of`, of all that sequence's new tokens (such a step runs
-        eagerly: a decode graph keeps only what it captured). None when nothing is scheduled.
+        eagerly: a graph keeps only what it captured). None when nothing is scheduled.
 
         Nothing here waits for the device: the logits come back still being computed. Input tokens missing
         from the scheduler's token_ids are read from `pending` (the last step's samples) on the device.
-        `graph_batch_size`: the decode graph to replay (0: eager), as rank 0 chose it for every rank; None:
-        this runner chooses (`graph_batch_size()`).
+        `graph`: the CUDA graph to replay (EAGER: none), as rank 0 chose it for every rank; None: this runner
+        chooses (`choose_graph()`).
         """
         if not out.scheduled:
             self.move_blocks(out)
@@ -304,12 +361,12 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         self.move_blocks(out)
-        if graph_batch_size is None:
-            graph_batch_size = self.graph_batch_size(out, eager=bool(prompt_logits_of))
-        inp = self.prepare(out, graph_batch_size, pending)
-        if inp.graph_batch_size:
-            graph, hidden = self._graphs[inp.graph_batch_size]
-            graph.replay()
+        if graph is None:
+            graph = self.choose_graph(out, eager=bool(prompt_logits_of))
+        inp = self.prepare(out, graph, pending)
+        if graph != EAGER:
+            cuda_graph, hidden = self._graphs[graph]
+            cuda_graph.replay()
         else:
             ids_pending = self.tp.size > 1 and any(s.num_new_tokens > len(s.token_ids) for s in out.scheduled)
             hidden = self._forward(inp, self.kv_cache, ids_pending)
@@ -322,7 +379,7 @@ class ModelRunner:
             prompt_logits = {
                 i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
             }
-        return ExecuteOutput(logits, prompt_logits, inp.graph_batch_size, events)
+        return ExecuteOutput(logits, prompt_logits, graph.batch_size, graph.num_tokens, events)
 
     # ---- outside the engine's steps ------------------------------------------------------------------------
 
@@ -364,5 +421,6 @@ class ModelRunner:
             return
         self._graphs.clear()
         self._graph_sizes = []
+        self._token_sizes = []
         self.use_cuda_graphs = False
         del self.model, self.kv_cache, self.swap_cache

@@ -1,5 +1,5 @@
 """Host-to-device staging of a step's batch: the scheduler's plain data packed into one pinned buffer, sent
-in one non-blocking copy, read on the device as the model's input tensors (or written into the decode graphs'
+in one non-blocking copy, read on the device as the model's input tensors (or written into the CUDA graphs'
 fixed buffers); input tokens still pending on the device (async scheduling) are gathered there."""
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ class ModelInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor | slice  # the rows of the T new tokens whose logits are sampled
-    graph_batch_size: int = 0  # > 0: replay the decode graph of this (padded) batch size
 
 
 @dataclass(frozen=True)
@@ -53,20 +52,29 @@ class Staging:
     Eager steps pack [input ids | positions | slots | sample rows | seq lens | query starts | block tables]
     back to back and read views of one device buffer. Decode graphs read fixed device buffers: ids, positions,
     slots and seq lens `[4, max_bs]` and block tables `[max_bs, max_blocks]`, filled by two device copies out
-    of the same one host-to-device copy. On the CPU the host buffer is the device buffer.
+    of the same one host-to-device copy. Mixed-step graphs (`max_graph_tokens` > 0) read ids, positions and
+    slots `[3, max_graph_tokens]`, seq lens and query starts `[2, max_num_seqs + 1]` and the same block
+    tables, filled by three device copies. On the CPU the host buffer is the device buffer.
 
     `ids_from_rank0` (tensor-parallel ranks other than 0): input tokens pending on the device are not here; they
     are staged as zeros and the runner overwrites the ids with rank 0's by broadcast.
     """
 
-    def __init__(self, config: EngineConfig, device: torch.device, ids_from_rank0: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        ids_from_rank0: bool = False,
+        max_graph_tokens: int = 0,
+    ) -> None:
         self.device = device
         self.ids_from_rank0 = ids_from_rank0
         self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq
         seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_width = _round_up(self.max_blocks, 16)
-        size = 4 * tokens + 5 * seqs + 9 * _ALIGN + seqs * self.max_width
+        # Eager layout, or a mixed graph's (its token rows padded to its size, its sequence rows to max_num_seqs).
+        size = 4 * tokens + 6 * seqs + 10 * _ALIGN + seqs * self.max_width + 3 * max_graph_tokens
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
@@ -78,6 +86,9 @@ class Staging:
         self.g_small = torch.zeros((4, self.g_stride), dtype=torch.int32, device=device)
         self.g_bt = torch.zeros((seqs, self.max_width), dtype=torch.int32, device=device)
         self.g_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+        # Mixed-graph buffers: ids, positions, slots; seq lens and query starts (block tables: g_bt's).
+        self.m_tok = torch.zeros((3, max_graph_tokens), dtype=torch.int32, device=device)
+        self.m_seq = torch.zeros((2, seqs + 1), dtype=torch.int32, device=device)
 
     def _host_free(self) -> None:
         """Wait until the device has read the last step's staging (normally long done: the sampler synced)."""
@@ -137,7 +148,7 @@ class Staging:
         if bs == self.max_graph_bs:  # before capture: all rows are padding
             self.g_small[2].fill_(-1)
             self.g_small[3].zero_()
-        return ModelInput(ids, pos, meta, slice(None), graph_batch_size=bs)
+        return ModelInput(ids, pos, meta, slice(None))
 
     def stage_decode(
         self,
@@ -179,10 +190,38 @@ class Staging:
         ids_t, pos_t, slots_t, lens_t = self.g_small[:, :bs]
         self._fill_pending(ids_t, o_dst, o_src, k, pending)
         meta = AttentionMetadata(slots_t, self.g_bt[:bs], lens_t, self.g_qsl[: bs + 1], 1, max_seq_len)
-        return ModelInput(ids_t, pos_t, meta, slice(0, n), graph_batch_size=bs)
+        return ModelInput(ids_t, pos_t, meta, slice(0, n))
 
-    def stage(self, scheduled: tuple[ScheduledSeq, ...], pending: PendingTokens | None = None) -> ModelInput:
-        """Pack an arbitrary (prefill, mixed or decode) batch and send it in one copy."""
+    def mixed_graph_input(self, num_tokens: int, max_seq_len: int) -> ModelInput:
+        """The views a mixed-step graph of `num_tokens` tokens reads (captured once, refilled every step).
+
+        Every sequence row (max_num_seqs) is in the batch; the rows a step leaves unused have no new tokens and
+        a context of 0, so both attention launches skip them, and the padding tokens (slot -1) belong to no
+        sequence. `max_query_len` is the graph's token count: an upper bound that has the kernel launch its
+        prefill and its decode programs both (a single sequence with a single new token is a decode step,
+        which a decode graph or an eager step runs)."""
+        if num_tokens == self.m_tok.shape[1]:  # the first capture: every row is padding
+            self.m_tok[2].fill_(-1)
+            self.m_seq.zero_()
+        return self._mixed_views(num_tokens, max_seq_len, slice(None))
+
+    def _mixed_views(self, num_tokens: int, max_seq_len: int, rows: torch.Tensor | slice) -> ModelInput:
+        ids, pos, slots = self.m_tok[:, :num_tokens]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.g_bt,
+            seq_lens=self.m_seq[0, : self.max_graph_bs],
+            query_start_loc=self.m_seq[1],
+            max_query_len=num_tokens,
+            max_seq_len=max_seq_len,
+        )
+        return ModelInput(ids, pos, meta, rows)
+
+    def stage(
+        self, scheduled: tuple[ScheduledSeq, ...], pending: PendingTokens | None = None, graph_tokens: int = 0
+    ) -> ModelInput:
+        """Pack an arbitrary (prefill, mixed or decode) batch and send it in one copy; with `graph_tokens`,
+        into the buffers of the mixed-step graph of that many tokens (`mixed_graph_input`)."""
         self._host_free()
         block = self.block_size
         n_tok = sum(s.num_new_tokens for s in scheduled)
@@ -213,12 +252,15 @@ class Staging:
             width = max(width, len(table))
         n_samp = len(samples)
         width = table_width(width)
-        o_pos = _round_up(n_tok, _ALIGN)
+        # A graph's rows: tokens padded to its size (slot -1), sequences to max_num_seqs (no tokens, length 0).
+        pad_tok = graph_tokens or n_tok
+        pad_seq = self.max_graph_bs if graph_tokens else n_seq
+        o_pos = _round_up(pad_tok, _ALIGN)
         o_slot = 2 * o_pos
         o_samp = 3 * o_pos
         o_len = o_samp + _round_up(n_samp, _ALIGN)
-        o_qsl = o_len + _round_up(n_seq, _ALIGN)
-        o_bt = o_qsl + _round_up(n_seq + 1, _ALIGN)
+        o_qsl = o_len + _round_up(pad_seq + 1, _ALIGN)
+        o_bt = o_qsl + _round_up(pad_seq + 1, _ALIGN)
         end = o_bt + n_seq * width
         h = self.host_np
         h[0:n_tok], h[o_pos : o_pos + n_tok], h[o_slot : o_slot + n_tok] = ids, pos, slots
@@ -227,6 +269,11 @@ class Staging:
             lens,
             starts,
         )
+        if graph_tokens:
+            h[n_tok:pad_tok], h[o_pos + n_tok : o_pos + pad_tok] = 0, 0
+            h[o_slot + n_tok : o_slot + pad_tok] = -1
+            h[o_len + n_seq : o_len + pad_seq + 1] = 0
+            h[o_qsl + n_seq + 1 : o_qsl + pad_seq + 1] = n_tok
         bt = h[o_bt:end].reshape(n_seq, width)
         bt.fill(0)
         for i, s in enumerate(scheduled):
@@ -235,6 +282,13 @@ class Staging:
         o_src, k, end_all = self._stage_pending(o_dst, scheduled, starts, pending)
         self._send(end_all)
         d = self.dev
+        rows: torch.Tensor | slice = slice(0, n_tok) if n_samp == n_tok else d[o_samp : o_samp + n_samp]
+        if graph_tokens:
+            self.m_tok[:, :pad_tok].copy_(d[: 3 * o_pos].view(3, o_pos)[:, :pad_tok])
+            self.m_seq.copy_(d[o_len : o_len + 2 * (o_qsl - o_len)].view(2, -1)[:, : pad_seq + 1])
+            self.g_bt[:n_seq, :width].copy_(d[o_bt:end].view(n_seq, width))
+            self._fill_pending(self.m_tok[0, :pad_tok], o_dst, o_src, k, pending)
+            return self._mixed_views(pad_tok, max(lens), rows)
         self._fill_pending(d[0:n_tok], o_dst, o_src, k, pending)
         meta = AttentionMetadata(
             slot_mapping=d[o_slot : o_slot + n_tok],
@@ -244,5 +298,4 @@ class Staging:
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(lens),
         )
-        rows: torch.Tensor | slice = slice(0, n_tok) if n_samp == n_tok else d[o_samp : o_samp + n_samp]
         return ModelInput(d[0:n_tok], d[o_pos : o_pos + n_tok], meta, rows)

@@ -24,7 +24,8 @@ class StepStats:
     num_partial_prefills: int  # sequences whose chunk stops short of their last token (chunked prefill)
     num_draws: int  # next-token draws queued: tokens sampled, or log-probability rows scored (beams)
     num_constrained: int  # of those, draws that follow a grammar (structured outputs: their rows masked)
-    graph_batch_size: int  # > 0: the forward pass replayed the CUDA graph captured for this batch size
+    graph_batch_size: int  # > 0: the forward pass replayed the decode graph captured for this batch size
+    graph_num_tokens: int  # > 0: it replayed the graph of steps with prefill chunks of this many tokens
     num_preempted: int  # requests preempted by this step's schedule
     num_preempted_pending: int  # sequences preempted with a sampled token still on the device
     num_blocks_swapped_out: int

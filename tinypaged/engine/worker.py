@@ -51,7 +51,7 @@ def run_worker(rendezvous: Rendezvous, rank: int, local_rank: int) -> int:
         while True:
             message = group.receive()
             if isinstance(message, StepPlan):
-                runner.execute(message.sched, message.prompt_logits_of, None, message.graph_batch_size)
+                runner.execute(message.sched, message.prompt_logits_of, None, message.graph)
             elif isinstance(message, PromptLogits):
                 runner.prompt_logits(message.prompts)
             else:
