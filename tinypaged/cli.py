@@ -9,29 +9,31 @@ import sys
 import typing
 from pathlib import Path
 
-from tinypaged.config import ConfigError, EngineConfig
+from tinypaged.config import SERVE_DEFAULTS, ConfigError, EngineConfig
 from tinypaged.errors import EngineError
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per engine argument (EngineConfig's fields: vLLM's names, defaults and meanings)."""
+def _add_engine_args(p: argparse.ArgumentParser, defaults: dict[str, typing.Any] | None = None) -> None:
+    """One flag per engine argument (EngineConfig's fields: vLLM's names, defaults and meanings); `defaults`
+    overrides some of the defaults for this subcommand."""
     hints = typing.get_type_hints(EngineConfig)
     for f in EngineConfig.engine_args():
+        default = (defaults or {}).get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
         kinds = set(typing.get_args(hints[f.name])) - {type(None)} or {hints[f.name]}
         help_text = f.metadata["help"]
         if kinds == {bool}:
             # A bool that is off by default gets --x; one on by default or decided for you (None), --x / --no-x.
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            p.add_argument(flag, action=action, default=f.default, help=help_text)
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            p.add_argument(flag, action=action, default=default, help=help_text)
             continue
         kind = Path if Path in kinds else next(iter(kinds - {str}), str)
         # Choices are listed, not enforced by argparse: EngineConfig checks every value, with one message.
         notes = [f"one of: {', '.join(map(str, f.metadata['choices']))}"] if "choices" in f.metadata else []
-        notes += [f"default: {f.default}"] if f.default is not None else []
+        notes += [f"default: {default}"] if default is not None else []
         if notes:
             help_text += f" ({'; '.join(notes)})"
-        p.add_argument(flag, type=kind, default=f.default, help=help_text)
+        p.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    _add_engine_args(srv)
+    _add_engine_args(srv, SERVE_DEFAULTS)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the URL is printed)")
     srv.add_argument(
