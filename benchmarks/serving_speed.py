@@ -300,10 +300,10 @@ def prefix_counters(url: str) -> tuple[float, float]:
 
 
 def multi_turn_on_and_off(model: str, budget: int) -> dict[str, Any]:
-    """The multi-turn chats against a server with prefix caching on, then one with it off (the default)."""
+    """The multi-turn chats against a server with prefix caching on (the default), then one with it off."""
     flags = ["--model", model, "--max-model-len", str(MULTI_TURN_MAX_MODEL_LEN)]
     out = {}
-    for name, extra in (("on", ["--enable-prefix-caching"]), ("off", [])):
+    for name, extra in (("on", ["--enable-prefix-caching"]), ("off", ["--no-enable-prefix-caching"])):
         with LocalServer(
             [*flags, "--max-num-batched-tokens", str(budget), *extra], start_timeout=600
         ) as server:

@@ -156,7 +156,7 @@ class EngineConfig:
         1.0, "GiB of host memory for the KV cache when the engine runs on the CPU"
     )
     enable_prefix_caching: bool = _arg(
-        False, "share the KV blocks of identical prompt prefixes across requests"
+        True, "share the KV blocks of identical prompt prefixes across requests"
     )
     max_num_seqs: int = _arg(256, "most sequences in one step")
     max_num_batched_tokens: int = _arg(
