@@ -1,6 +1,6 @@
 """Check and time every Triton kernel on the GPU in one run, beside torch SDPA and the copy bandwidth.
 
-    python3 benchmarks/kernels.py [--out DIR] [--quick]
+    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections correctness decode decode_ragged prefill small]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
@@ -32,7 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 AttnConfig = tk.attention.AttnConfig
 DEV = "cuda"
 DT = torch.bfloat16
-RESULTS: dict[str, Any] = {"checks": [], "decode": [], "prefill": [], "small": [], "sweeps": []}
+RESULTS: dict[str, Any] = {
+    "checks": [],
+    "decode": [],
+    "decode_ragged": [],
+    "prefill": [],
+    "small": [],
+    "sweeps": [],
+}
+SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -319,6 +327,48 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
         torch.cuda.synchronize()
 
 
+def decode_ragged(copy_bw: float, max_seq_len: int = 2048) -> None:
+    """Decode attention over W1-like ragged contexts (uniform in [96, 1536]) as the engine's decode graphs launch
+    it: the split count chosen for `max_seq_len` (a graph's bound is max_model_len, whatever the contexts), beside
+    fixed split counts. A split count tuned for equal contexts can leave the longest sequences' programs running
+    alone at the end of the wave."""
+    hq, hkv, d, block_size = 32, 8, 128, 16
+    scale = d**-0.5
+    for batch in (256, 128, 32):
+        rng = torch.Generator().manual_seed(batch)
+        ctx = torch.randint(96, 1537, (batch,), generator=rng).tolist()
+        kv_bytes = sum(c + 1 for c in ctx) * hkv * d * 2 * 2
+        n_sets = max(1, -(-256 * 2**20 // kv_bytes))
+        sets = [paged_batch([1] * batch, ctx, hq, hkv, d, block_size, seed=i) for i in range(n_sets)]
+        q0 = sets[0][0]
+        block_n = tk.attention.default_configs(q0, hq // hkv)[0].block_n
+        auto = tk.attention.choose_num_splits(q0, batch, hkv, max_seq_len, block_n)
+        row: dict[str, Any] = {
+            "batch": batch,
+            "ctx_mean": sum(ctx) / batch,
+            "kv_bytes": kv_bytes,
+            "splits_auto": auto,
+        }
+        for splits in sorted({1, 2, 4, 8, auto}):
+            ms = graph_ms(
+                [
+                    lambda s=s, k=splits: tk.paged_attention(
+                        *s, scale, max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=k
+                    )
+                    for s in sets
+                ]
+            )
+            row[f"TBps_splits_{splits}"] = kv_bytes / ms / 1e9
+            row[f"frac_copy_splits_{splits}"] = kv_bytes / ms / 1e-3 / copy_bw
+        RESULTS["decode_ragged"].append(row)
+        print(
+            f"decode ragged {batch} x ~{row['ctx_mean']:.0f}: auto splits {auto}; TB/s by splits "
+            + ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in row.items() if k.startswith("TBps")),
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+
+
 PREFILL_CONFIGS = [
     AttnConfig(128, 32, 4, 4),
     AttnConfig(128, 64, 4, 4),
@@ -457,7 +507,7 @@ def table() -> str:
         f"device: {RESULTS['device']}; torch {torch.__version__}, triton {triton.__version__}",
         f"copy bandwidth (read+write): {RESULTS['copy']['TBps']:.2f} TB/s",
         f"checks: {sum(c['ok'] for c in RESULTS['checks'])}/{len(RESULTS['checks'])} ok "
-        f"(worst rel err {max(c['rel_err'] for c in RESULTS['checks']):.1e})",
+        f"(worst rel err {max((c['rel_err'] for c in RESULTS['checks']), default=0.0):.1e})",
         "",
         "| decode 32/8/128 bf16 bs16 (graphs) | KV MB | ours us | ours TB/s | % copy | best cfg TB/s "
         "| ours eager us | SDPA us | SDPA TB/s | % copy |",
@@ -472,6 +522,17 @@ def table() -> str:
             f"{min(r['ms_sdpa_rows'], r['ms_sdpa_gqa']) * 1e3:.1f} | {r['TBps_sdpa']:.2f} | "
             f"{100 * r['frac_copy_sdpa']:.0f} |"
         )
+    if RESULTS["decode_ragged"]:
+        lines += [
+            "",
+            "| decode, ragged contexts 96-1536 (graphs) | KV MB | auto splits | TB/s by splits |",
+            "|---|---|---|---|",
+        ]
+        for r in RESULTS["decode_ragged"]:
+            by = ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("TBps"))
+            lines.append(
+                f"| {r['batch']} x ~{r['ctx_mean']:.0f} | {r['kv_bytes'] / 1e6:.0f} | {r['splits_auto']} | {by} |"
+            )
     lines += [
         "",
         "| prefill bf16 causal | ours ms | ours TFLOP/s | best cfg TFLOP/s | SDPA ms "
@@ -506,14 +567,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "out")))
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweeps")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     args = parser.parse_args()
     torch.manual_seed(0)
     RESULTS["device"] = torch.cuda.get_device_name()
-    correctness()
+    run = set(args.sections)
+    if "correctness" in run:
+        correctness()
     copy_bw = copy_bandwidth()
-    decode(copy_bw, args.quick)
-    prefill(args.quick)
-    small(copy_bw)
+    if "decode" in run:
+        decode(copy_bw, args.quick)
+    if "decode_ragged" in run:
+        decode_ragged(copy_bw)
+    if "prefill" in run:
+        prefill(args.quick)
+    if "small" in run:
+        small(copy_bw)
     text = table()
     RESULTS["table"] = text
     write_json(Path(args.out) / "kernels-h200.json", RESULTS)
