@@ -544,3 +544,13 @@ def add_w1_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def w1_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments `add_w1_args` declared, as `LLM(...)` takes them."""
+    return {
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }

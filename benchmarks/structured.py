@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_w1_args, device_name, generate_with_stats, make_workload, summarize_steps, sync_device
+from common import (
+    add_w1_args,
+    device_name,
+    generate_with_stats,
+    make_workload,
+    summarize_steps,
+    sync_device,
+    w1_engine_args,
+)
 from common import section as run_section
 
 from tinypaged import LLM, SamplingParams
@@ -273,10 +281,7 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        **w1_engine_args(args),
     )
     cfg = llm.config.model_config
     res: dict[str, Any] = {

@@ -44,6 +44,7 @@ from common import (
     make_workload,
     prompt_logits,
     run_latency,
+    w1_engine_args,
     write_json,
 )
 from latency import profile_batch1
@@ -258,11 +259,8 @@ class Run:
         llm = LLM(
             model=args.model,
             tensor_parallel_size=tp,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
+            **w1_engine_args(args),
         )
         cfg = llm.config.model_config
         r = res[f"tp{tp}"] = {

@@ -52,6 +52,7 @@ from common import (
     step_weight_bytes,
     summarize_steps,
     sync_device,
+    w1_engine_args,
 )
 from common import (
     section as run_section,
@@ -347,14 +348,7 @@ def main() -> None:
     args = ap.parse_args()
 
     def engine(enforce_eager: bool) -> LLM:
-        return LLM(
-            model=args.model,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-        )
+        return LLM(model=args.model, enforce_eager=enforce_eager, **w1_engine_args(args))
 
     t0 = time.perf_counter()
     try:

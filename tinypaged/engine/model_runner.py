@@ -89,8 +89,7 @@ class ExecuteOutput:
     logits: torch.Tensor  # [S, vocab]: each sampling sequence's last new token, in scheduled order
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    graph_batch_size: int = 0  # > 0: the forward pass replayed the decode graph of this batch size
-    graph_num_tokens: int = 0  # > 0: the forward pass replayed the mixed-step graph of this many tokens
+    graph: GraphChoice = EAGER  # the CUDA graph the forward pass replayed
     # Recorded before and after the forward pass when `ModelRunner.time_device` is on (CUDA only).
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -299,12 +298,7 @@ class ModelRunner:
         if n <= sizes[-1] and all(s.num_new_tokens == 1 and s.do_sample for s in scheduled):
             return GraphChoice(batch_size=sizes[bisect.bisect_left(sizes, n)])
         tokens = self._token_sizes
-        if (
-            tokens
-            and self.use_mixed_graphs
-            and out.num_batched_tokens <= tokens[-1]
-            and n <= self.config.max_num_seqs
-        ):
+        if tokens and self.use_mixed_graphs and out.num_batched_tokens <= tokens[-1]:
             return GraphChoice(num_tokens=tokens[bisect.bisect_left(tokens, out.num_batched_tokens)])
         return EAGER
 
@@ -379,7 +373,7 @@ class ModelRunner:
             prompt_logits = {
                 i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
             }
-        return ExecuteOutput(logits, prompt_logits, graph.batch_size, graph.num_tokens, events)
+        return ExecuteOutput(logits, prompt_logits, graph, events)
 
     # ---- outside the engine's steps ------------------------------------------------------------------------
 
