@@ -193,7 +193,8 @@ def _phase_totals(rows: list[StepStats], device: dict[int, float]) -> dict[str, 
 # ---- profiling -----------------------------------------------------------------------------------------------
 
 _CLASSES = (
-    ("all_reduce", ("allreduce",)),  # NCCL's (tensor parallelism): ncclDevKernel_AllReduce_...
+    # Tensor parallelism's: NCCL's ncclDevKernel_AllReduce_..., symmetric memory's one_shot_all_reduce_kernel...
+    ("all_reduce", ("allreduce", "all_reduce")),
     ("nccl_other", ("nccl",)),  # the input ids' broadcast, the logits' all-gather
     ("attention", ("_paged_attn", "_reduce_kernel")),
     ("rms_norm", ("_rms_norm",)),

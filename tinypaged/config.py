@@ -187,6 +187,11 @@ class EngineConfig:
         "ranks the model is split over (one process and GPU each; gloo ranks on the CPU): attention by heads, "
         "the MLP by columns, the vocabulary by rows",
     )
+    disable_custom_all_reduce: bool = _arg(
+        False,
+        "under tensor parallelism on one node's GPUs, NCCL does every all-reduce (by default those up to 8 MiB go "
+        "through symmetric memory over NVLink)",
+    )
     model_config: ModelConfig = field(init=False, repr=False, compare=False)  # read from model/config.json
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import ScheduledSeq, SchedulerOutput
 from tinypaged.engine.model_runner import GraphChoice, resolve_device
-from tinypaged.model.parallel import TPGroup
+from tinypaged.model.parallel import SymmMemAllReduce, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,16 @@ class Membership:
     messages: dist.ProcessGroup
 
     @classmethod
-    def join(cls, store: dist.Store, rank: int, world_size: int, device: torch.device) -> Membership:
-        """Form the process groups (every rank calls this, in the same order)."""
+    def join(
+        cls,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        custom_all_reduce: bool = True,
+    ) -> Membership:
+        """Form the process groups (every rank calls this, in the same order); `custom_all_reduce`: small
+        all-reduces through symmetric memory where the ranks are one node's GPUs."""
         if device.type == "cuda":
             # Faults are handled by the engine (executor.py), which aborts the group itself: NCCL's watchdog
             # must not tear the process down meanwhile.
@@ -183,7 +191,13 @@ class Membership:
             device_id=device if device.type == "cuda" else None,
         )
         messages = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        return cls(TPGroup(rank, world_size, dist.group.WORLD), messages)
+        group = dist.group.WORLD
+        # Symmetric memory needs every rank on this node's GPUs (its peers' buffers mapped over NVLink).
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+        fast = None
+        if custom_all_reduce and device.type == "cuda" and one_node:
+            fast = SymmMemAllReduce.create(group, device)
+        return cls(TPGroup(rank, world_size, group, fast), messages)
 
     def send(self, message: Message) -> None:
         """Rank 0: the message to every other rank."""

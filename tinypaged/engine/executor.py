@@ -111,7 +111,7 @@ class Executor:
         self._monitor = _Monitor(rendezvous, self._procs, size, self._fail)
         try:
             self._wait_for_workers()
-            self._group = Membership.join(self._store, 0, size, device)
+            self._group = Membership.join(self._store, 0, size, device, not config.disable_custom_all_reduce)
             self.runner = ModelRunner(config, self._group.tp, device)
         except Exception as e:
             dead = self._fatal(e)

@@ -46,7 +46,9 @@ def run_worker(rendezvous: Rendezvous, rank: int, local_rank: int) -> int:
         config = read_config(store)
         store.set(joined_key(rank), str(os.getpid()))
         device = rank_device(config, local_rank)
-        group = Membership.join(store, rank, config.tensor_parallel_size, device)
+        group = Membership.join(
+            store, rank, config.tensor_parallel_size, device, not config.disable_custom_all_reduce
+        )
         runner = ModelRunner(config, group.tp, device)
         while True:
             message = group.receive()

@@ -11,11 +11,84 @@ KV head its query heads read (replicated on num_ranks / num_kv_heads ranks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# The all-reduces of a decode step are batch x hidden x 2 bytes: 8 KiB at batch 1, 2 MiB at 256. Between these
+# sizes they go through symmetric memory (SymmMemAllReduce), NCCL does the rest. In CUDA graphs on two H200s
+# (benchmarks/allreduce.py, BENCHMARKS.md) NCCL takes 7-10 us up to 512 KiB, where symmetric memory is no faster;
+# at 2 MiB it takes 27 us against 17, at 8 MiB 46 against 41.
+SYMM_MEM_MIN_BYTES = 512 << 10
+SYMM_MEM_MAX_BYTES = 8 << 20
+
+
+class SymmMemAllReduce:
+    """Small bf16 all-reduces over a symmetric-memory buffer (torch.distributed._symmetric_memory) on one node's
+    GPUs, with no NCCL call (multicast is not used): the rank's tensor is copied into its buffer, torch's two-shot
+    kernel has each rank sum its share of every peer's buffer over NVLink and gather the others' sums back, and
+    the result is copied out. CUDA graphs capture it like any other kernel. `create` returns None where the
+    platform does not support it."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
+        self.buffer = buffer
+        self.group_name = group_name
+
+    @classmethod
+    def create(
+        cls, group: Any, device: torch.device, max_bytes: int = SYMM_MEM_MAX_BYTES
+    ) -> SymmMemAllReduce | None:
+        fast, error = None, ""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device=device)
+            symm_mem.rendezvous(buffer, group.group_name)
+            fast = cls(buffer, group.group_name)
+        except Exception as e:  # noqa: BLE001 - the ranks agree below
+            error = str(e)
+        # Every rank uses it or none does (a rank alone in a symmetric-memory collective would wait forever).
+        ok = torch.tensor([fast is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not ok.item():
+            logger.warning(
+                "symmetric-memory all-reduce unavailable (%s); NCCL does every all-reduce", error or "a peer"
+            )
+            return None
+        try:
+            probe = torch.ones(8, dtype=torch.bfloat16, device=device)
+            fast.all_reduce(probe)  # every rank runs it: the group's first collective after the rendezvous
+            if probe.float().sum().item() != 8 * dist.get_world_size(group):
+                raise RuntimeError(f"the probe summed to {probe.float().sum().item()}")
+        except Exception as e:
+            raise RuntimeError(f"the symmetric-memory all-reduce failed its first call: {e}") from e
+        return fast
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether x goes through symmetric memory: bf16, contiguous, aligned, and from SYMM_MEM_MIN_BYTES to the
+        buffer's size."""
+        nbytes = x.numel() * x.element_size()
+        return (
+            x.dtype == torch.bfloat16
+            and nbytes >= SYMM_MEM_MIN_BYTES
+            and x.is_contiguous()
+            and nbytes % 16 == 0
+            and x.numel() <= self.buffer.numel()
+        )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x."""
+        flat = x.view(-1)
+        buf = self.buffer[: flat.numel()]
+        buf.copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+        flat.copy_(buf)
+        return x
 
 
 @dataclass(frozen=True)
@@ -26,6 +99,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # the torch.distributed ProcessGroup over the ranks' devices (None for one rank)
+    # Small all-reduces through symmetric memory (CUDA, one node), NCCL for the rest; None: NCCL (or gloo) for all.
+    fast: SymmMemAllReduce | None = field(default=None, compare=False, repr=False)
 
     # ---- shares ---------------------------------------------------------------------------------------------
 
@@ -54,6 +129,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
         if self.size > 1:
+            if self.fast is not None and self.fast.fits(x):
+                return self.fast.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
