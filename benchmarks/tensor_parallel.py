@@ -14,6 +14,8 @@ For each size, one engine (the same arguments as benchmarks/throughput.py's) mea
   the TTFT of a 1024-token prompt;
 - torch.profiler over 32 batch-1 decode steps and over a mixed and a decode window of W1: GPU kernel time by
   class, the all-reduces' (NCCL) share of the step among them. The profile is rank 0's; the ranks are symmetric.
+With `--nccl-too`, each size above 1 runs a second time with NCCL doing every all-reduce
+(`disable_custom_all_reduce`), before the default (small all-reduces through symmetric memory).
 With `--fault kill|stop`, last: TP=2's worker is killed (or frozen) during a generation, and the time until the
 engine raises EngineDeadError, its message, the shutdown's time and the GPUs' memory after it are recorded.
 
@@ -138,27 +140,33 @@ def fault(llm: LLM, how: str) -> dict[str, Any]:
     return out
 
 
+def title(key: str) -> str:
+    """A variant's column title: tp2 -> TP=2, tp2_nccl -> TP=2 NCCL."""
+    return key.replace("tp", "TP=").replace("_nccl", " NCCL")
+
+
 def print_table(res: dict[str, Any]) -> None:
-    """The figures side by side, last in the output."""
+    """The figures side by side, last in the output; each later variant also as a ratio to the first."""
     lines = [f"\nTensor parallelism on {res['device']} x{res['gpus']}, {res['model']}, {res['date']}"]
-    sizes = res["sizes"]
-    lines.append("| | " + " | ".join(f"TP={tp}" for tp in sizes) + f" | TP={sizes[-1]} / TP={sizes[0]} |")
-    lines.append("|---" * (len(res["sizes"]) + 2) + "|")
+    keys = res["variants"]
+    first = title(keys[0])
+    ratios = [f"{title(k)} / {first}" for k in keys[1:]]
+    lines.append("| | " + " | ".join([title(k) for k in keys] + ratios) + " |")
+    lines.append("|---" * (2 * len(keys)) + "|")
 
     def row(name: str, get: Any, fmt: str = "{:.1f}") -> None:
         vals = []
-        for tp in res["sizes"]:
+        for key in keys:
             try:
-                vals.append(get(res[f"tp{tp}"]))
+                vals.append(get(res[key]))
             except (KeyError, TypeError):
                 vals.append(None)
         cells = [fmt.format(v) if isinstance(v, float | int) else "-" for v in vals]
-        ratio = (
-            f"{vals[-1] / vals[0]:.2f}x"
-            if len(vals) > 1 and all(isinstance(v, float) for v in vals) and vals[0]
-            else ""
-        )
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
+        cells += [
+            f"{v / vals[0]:.2f}x" if isinstance(v, float) and isinstance(vals[0], float) and vals[0] else ""
+            for v in vals[1:]
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
     row("W1 output tok/s", lambda r: r["w1"]["output_tokens_per_s"], "{:.0f}")
     row("W1 elapsed s", lambda r: r["w1"]["elapsed_s"], "{:.2f}")
@@ -194,10 +202,13 @@ def print_table(res: dict[str, Any]) -> None:
             ),
             "{:.1f}",
         )
-    c = res.get("compare")
-    if isinstance(c, dict) and "rel_l2" in c:
+    for key in keys[1:]:
+        c = res[key].get("compare") if isinstance(res.get(key), dict) else None
+        if not (isinstance(c, dict) and "rel_l2" in c):
+            continue
         lines.append(
-            f"logits TP=2 vs TP=1 (every position of {len(c['per_prompt'])} prompts + continuations, |logit| max "
+            f"logits {title(key)} vs {first} (every position of {len(c['per_prompt'])} prompts + continuations, "
+            f"|logit| max "
             f"{c['logits_abs_max']:.2f}): max-abs {c['max_abs']:.4f}, rel L2 {c['rel_l2']:.2e}, first step "
             f"max-abs {c['first_step_max_abs']:.4f}; greedy: {c['continuations_equal']} of {len(c['per_prompt'])} "
             f"continuations equal, {c['tokens_agree_before_parting']} of {c['tokens']} tokens before parting"
@@ -233,9 +244,10 @@ class Run:
             "model": args.model,
             "date": time.strftime("%Y-%m-%d"),
             "sizes": args.sizes,
+            "variants": [],
             "requests": args.num_requests,
         }
-        self.kept: dict[int, dict[str, Any]] = {}  # numerics by size (logits stay out of the JSON)
+        self.kept: dict[str, dict[str, Any]] = {}  # numerics by variant (logits stay out of the JSON)
         self.work: Any = None
         self.prompts: list[list[int]] = []
 
@@ -252,23 +264,27 @@ class Run:
             write_json(self.args.out, self.res)
         return where[name]
 
-    def size(self, tp: int) -> None:
-        """Every measurement of one tensor-parallel size, on one engine."""
+    def size(self, tp: int, nccl_only: bool = False) -> None:
+        """Every measurement of one tensor-parallel size, on one engine (`nccl_only`: NCCL does every
+        all-reduce)."""
         args, res = self.args, self.res
+        key = f"tp{tp}_nccl" if nccl_only else f"tp{tp}"
+        res["variants"].append(key)
         t0 = time.perf_counter()
         llm = LLM(
             model=args.model,
             tensor_parallel_size=tp,
             enforce_eager=args.enforce_eager,
+            disable_custom_all_reduce=nccl_only,
             **w1_engine_args(args),
         )
         cfg = llm.config.model_config
-        r = res[f"tp{tp}"] = {
+        r = res[key] = {
             "init_s": time.perf_counter() - t0,
             "num_gpu_blocks": llm.engine.runner.num_gpu_blocks,
             "runner": asdict(llm.engine.runner.stats),
         }
-        print(f"TP={tp}: engine ready in {r['init_s']:.1f} s", flush=True)
+        print(f"{title(key)}: engine ready in {r['init_s']:.1f} s", flush=True)
         if self.work is None:
             self.work = make_workload(
                 args.num_requests, cfg.vocab_size, args.seed, args.prompt_range, args.output_range
@@ -276,12 +292,12 @@ class Run:
             res["roofline"] = roofline(cfg, self.work)
             rng = np.random.default_rng(args.seed + 7)
             self.prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in args.prompt_lens]
-        first = self.kept.get(args.sizes[0])
+        first = self.kept.get(res["variants"][0])
         path = first["continuations"] if first else None
-        self.kept[tp] = self.section(
+        self.kept[key] = self.section(
             {}, "numerics", lambda: numerics(llm, self.prompts, args.greedy_tokens, path)
         )
-        r["continuations"] = self.kept[tp].get("continuations")
+        r["continuations"] = self.kept[key].get("continuations")
         if "w1" not in args.skip:
             self.section(r, "w1", lambda: run_ours(llm, self.work))
         if "latency" not in args.skip:
@@ -292,9 +308,9 @@ class Run:
             w1 = self.section(prof, "w1", lambda: profile_ours(llm, self.work))
             if isinstance(w1, dict) and "mixed" in w1:
                 prof |= {"w1_mixed": w1.pop("mixed"), "w1_decode": w1.pop("decode")}
-        if first is not None and tp != args.sizes[0] and "logits" in first and "logits" in self.kept[tp]:
-            self.section(res, "compare", lambda: compare(first, self.kept[tp], self.prompts))
-        if args.fault and tp == args.sizes[-1] and tp > 1:
+        if first is not None and "logits" in first and "logits" in self.kept[key]:
+            self.section(r, "compare", lambda: compare(first, self.kept[key], self.prompts))
+        if args.fault and tp == args.sizes[-1] and tp > 1 and not nccl_only:
             print_table(res)
             self.section(res, "fault", lambda: fault(llm, args.fault))
         else:
@@ -309,6 +325,11 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[17, 130, 255, 512, 1000])
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--nccl-too",
+        action="store_true",
+        help="each size above 1 also with NCCL doing every all-reduce (before the default)",
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=["w1", "latency", "profile"])
     ap.add_argument(
         "--fault",
@@ -325,6 +346,8 @@ def main() -> None:
         faulthandler.dump_traceback_later(args.deadline_s, exit=True)
     run = Run(args)
     for tp in args.sizes:
+        if args.nccl_too and tp > 1:
+            run.size(tp, nccl_only=True)
         run.size(tp)
     if args.out:
         write_json(args.out, run.res)
