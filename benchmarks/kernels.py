@@ -460,7 +460,8 @@ def prefill_shape(batch: int, new: int, ctx: int, heads: tuple[int, int, int], q
 
 
 def small(copy_bw: float) -> None:
-    """RMSNorm, SwiGLU, rotary, KV write and block copy: bytes they must move over time, against copy bandwidth."""
+    """RMSNorm, SwiGLU, rotary, KV write (alone and fused with the rotary) and block copy: bytes they must move
+    over time, against copy bandwidth."""
     t, h = 8192, 4096
     x, r = (torch.randn(t, h, device=DEV, dtype=DT) for _ in range(2))
     w = torch.randn(h, device=DEV, dtype=DT)
@@ -483,6 +484,22 @@ def small(copy_bw: float) -> None:
     kvl = torch.randn(2, 4096, 16, 8, 128, device=DEV, dtype=DT)
     slots = torch.randperm(4096 * 16, device=DEV)[:t]
     rows.append(("write_kv 8192 tok 8/128", 2 * k.numel() * 2 * 2, lambda: tk.write_kv(k, k, kvl, slots)))
+    # Fused: q read and written, k and v read and written into the cache, the cos/sin rows read.
+    fused_bytes = 2 * q.numel() * 2 + 2 * 2 * k.numel() * 2 + t * 128 * 4
+    rows.append(
+        (
+            "rotary + write_kv fused, 8192 tok 32/8/128",
+            fused_bytes,
+            lambda: tk.rotary_write_kv(positions, q, k, k, cache, kvl, slots),
+        )
+    )
+    rows.append(
+        (
+            "rotary then write_kv (two launches)",
+            fused_bytes,
+            lambda: tk.write_kv(tk.rotary_embedding(positions, q, k, cache)[1], k, kvl, slots),
+        )
+    )
     kvc = torch.randn(32, 2, 512, 16, 8, 128, device=DEV, dtype=DT)
     mapping = torch.stack((torch.arange(0, 128, 2), torch.arange(1, 128, 2)), 1).to(DEV)
     cb_bytes = 2 * 32 * 2 * mapping.shape[0] * 16 * 8 * 128 * 2

@@ -5,7 +5,7 @@ from .attention import paged_attention
 from .bitmask import apply_token_bitmask
 from .cache import copy_blocks, write_kv
 from .norm import rms_norm
-from .rotary import rotary_embedding
+from .rotary import rotary_embedding, rotary_write_kv
 from .sampling import sample
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv",
     "sample",
     "silu_and_mul",
     "write_kv",

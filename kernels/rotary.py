@@ -1,4 +1,5 @@
-"""Neox-style rotary embedding of q and k: one program per token, every head of both in one pass."""
+"""Neox-style rotary embedding of q and k: one program per token, every head of both in one pass; and the same
+fused with the KV cache write (the rotated keys and the values go straight into their slots)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ def _rotate_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    store,
 ):
-    """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given."""
+    """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given, into
+    row t of o_ptr (nothing is read or written unless `store`)."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
-    ok = (heads[:, None] < n_heads) & (cols[None, :] < HALF)
+    ok = (heads[:, None] < n_heads) & (cols[None, :] < HALF) & store
     x_lo = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(x_lo, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_lo + HALF, mask=ok, other=0.0).to(tl.float32)
@@ -81,6 +84,7 @@ def _rotary_kernel(
         HALF,
         BLOCK_HQ,
         BLOCK_HALF,
+        True,
     )
     _rotate_heads(
         k_ptr,
@@ -96,6 +100,7 @@ def _rotary_kernel(
         HALF,
         BLOCK_HK,
         BLOCK_HALF,
+        True,
     )
 
 
@@ -137,3 +142,116 @@ def rotary_embedding(
             num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
         )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    n_q_heads,
+    n_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_c,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    """One token: its q heads rotated into q_out; its k heads rotated and its v heads copied into its cache slot
+    (none when the slot is negative)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    c_ok = cols < HALF
+    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
+    _rotate_heads(
+        q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
+        BLOCK_HALF, True,
+    )  # fmt: skip
+    # The slot as row 0 of the cache, its heads strided: the rotated keys land where the write would put them.
+    in_cache = slot >= 0
+    slot_off = tl.where(in_cache, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct, 0)
+    _rotate_heads(
+        k_ptr, k_cache_ptr + slot_off, t, stride_kt, stride_kh, 0, stride_ch, n_k_heads, cos, sin, HALF, BLOCK_HK,
+        BLOCK_HALF, in_cache,
+    )  # fmt: skip
+    heads = tl.arange(0, BLOCK_HK)
+    dims = tl.arange(0, 2 * BLOCK_HALF)
+    ok = (heads[:, None] < n_k_heads) & (dims[None, :] < 2 * HALF) & in_cache
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)
+    dst = v_cache_ptr + slot_off + heads[:, None] * stride_ch + dims[None, :]
+    tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q rotated (a new tensor); k rotated and v written into `kv_layer` at `slot_mapping`, in one launch
+    (semantics: `ops.ref_rotary_embedding`, then `ops.ref_write_kv` of the rotated k)."""
+    num_tokens, n_q_heads, head_dim = q.shape
+    n_k_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_layer.stride(-1) == 1
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        half = head_dim // 2
+        block_hq = triton.next_power_of_2(n_q_heads)
+        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        _rotary_write_kv_kernel[(num_tokens,)](
+            positions,
+            slot_mapping,
+            q,
+            k,
+            v,
+            cos_sin_cache,
+            q_out,
+            k_cache,
+            v_cache,
+            n_q_heads,
+            n_k_heads,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            cos_sin_cache.stride(0),
+            BLOCK_SIZE=kv_layer.shape[2],
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HQ=block_hq,
+            BLOCK_HK=triton.next_power_of_2(n_k_heads),
+            num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
+        )
+    return q_out

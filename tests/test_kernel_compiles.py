@@ -43,3 +43,21 @@ def test_bitmask_kernel_compiles_for_hopper() -> None:
     src = ASTSource(fn=_apply_bitmask_kernel, signature=signature, constexprs={"BLOCK": 4096})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
+
+
+def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
+    from tinypaged.kernels.rotary import _rotary_write_kv_kernel
+
+    pointers = {
+        "pos_ptr": "*i32", "slot_ptr": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+        "cache_ptr": "*fp32", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+    }  # fmt: skip
+    ints = [
+        "n_q_heads", "n_k_heads", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+        "stride_qot", "stride_qoh", "stride_cb", "stride_ct", "stride_ch", "stride_c",
+    ]  # fmt: skip
+    constexprs = {"BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8}
+    signature = pointers | dict.fromkeys(ints, "i64") | dict.fromkeys(constexprs, "constexpr")
+    src = ASTSource(fn=_rotary_write_kv_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "cubin" in kernel.asm

@@ -86,6 +86,22 @@ def ref_write_kv(
     flat[1].index_copy_(0, slots, value[keep].to(kv_layer.dtype))
 
 
+def ref_rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q and k rotated (`ref_rotary_embedding`), the rotated k and v written at `slot_mapping` (`ref_write_kv`);
+    returns the rotated q."""
+    q, k = ref_rotary_embedding(positions, q, k, cos_sin_cache)
+    ref_write_kv(k, v, kv_layer, slot_mapping)
+    return q
+
+
 def gather_context(
     kv_layer: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, ...]:
@@ -296,6 +312,24 @@ def rotary_embedding(
 
         return kernel(positions, q, k, cos_sin_cache)
     return ref_rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q (returned) and k, with the rotated keys and the values written into their slots
+    (`ref_rotary_embedding`, then `ref_write_kv`): the attention reads the new keys from the cache."""
+    if uses_triton(q):
+        from tinypaged.kernels import rotary_write_kv as kernel
+
+        return kernel(positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping)
+    return ref_rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping)
 
 
 def write_kv(

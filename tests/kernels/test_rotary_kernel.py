@@ -35,3 +35,28 @@ def test_rotary(dtype: torch.dtype, head_dim: int, heads: tuple[int, int]) -> No
     torch.testing.assert_close(k_out, k_ref, atol=tol, rtol=0)
     q_fac, k_fac = ops.rotary_embedding(positions, q, k, cache)
     torch.testing.assert_close(q_fac, q_out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "heads"), CASES)
+def test_rotary_write_kv(dtype: torch.dtype, head_dim: int, heads: tuple[int, int]) -> None:
+    """The fused rotary + KV write: q as the rotary gives it, the cache as the rotary then the write leave it;
+    negative slots (padding) write nothing."""
+    n_q, n_kv = heads
+    gen = torch.Generator().manual_seed(head_dim + 1)
+    qkv = torch.randn(11, n_q + 2 * n_kv, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv], qkv[:, n_q + n_kv :]
+    positions = torch.randint(0, 500, (11,), generator=gen)
+    cache = cos_sin_cache(512, head_dim)
+    kv = torch.randn(2, 6, 4, n_kv, head_dim, generator=gen).to(dtype)  # 6 blocks of 4 slots
+    slots = torch.randperm(24, generator=gen)[:11].to(torch.int32)
+    slots[[2, 7]] = -1
+    want_kv = kv.clone()
+    want_q = ops.ref_rotary_write_kv(positions, q, k, v, cache, want_kv, slots)
+    got_kv = kv.clone()
+    got_q = tk.rotary_write_kv(positions, q, k, v, cache, got_kv, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=0)
+    torch.testing.assert_close(got_kv, want_kv, atol=tol, rtol=0)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots[slots >= 0].long()] = False
+    assert got_kv.flatten(1, 2)[:, untouched].equal(kv.flatten(1, 2)[:, untouched])

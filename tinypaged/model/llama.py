@@ -93,8 +93,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        ops.write_kv(k, v, kv_layer, meta.slot_mapping)
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping)
         out = ops.paged_attention(
             q,
             kv_layer,
