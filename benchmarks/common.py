@@ -27,6 +27,7 @@ from tinypaged import LLM, SamplingParams, ops
 from tinypaged.config import ModelConfig
 from tinypaged.engine.request import Prompt
 from tinypaged.engine.stats import StepResult, StepStats
+from tinypaged.llm import final_only
 from tinypaged.outputs import RequestOutput
 
 COPY_TBPS = 4.28  # H200 device-to-device copy, measured (BENCHMARKS.md, "Targets")
@@ -125,6 +126,7 @@ def generate_with_stats(
         llm.reset_prefix_cache()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
+    params = final_only(params)
     prefix = f"bench-{time.monotonic_ns()}-"
     requests = [
         engine.process_inputs(f"{prefix}{i}", p, sp)

@@ -4,13 +4,14 @@ Runs B requests (short random prompts, EOS ignored, temperature 0.8, top-p 0.95)
 every one is decoding, then reads `--steps` decode steps' statistics: schedule; execute (block moves, input
 staging, the forward pass and logits, and the scheduler's bookkeeping; on the CPU the forward pass runs here);
 sample (each request's sampling rows and the sampler pass); update (applying tokens: appends, stop checks,
-detokenization, building RequestOutputs), of which wait (for sampled tokens to reach the host). The four
+detokenization, building RequestOutputs: `--output-kind final_only`, LLM.generate's, builds none until a
+request finishes and detokenizes only then), of which wait (for sampled tokens to reach the host). The four
 phases add up to the whole call. Beside them, the sampler alone (`Sampler.sample`, its public API) on random
 logits of the same shape: flat distributions, as random prompt ids give, where top-p sorts the whole
 vocabulary.
 
     .venv/bin/python benchmarks/engine_overhead.py [--batches 1 32 256] [--steps 8]
-        [--out benchmarks/results/engine_overhead-cpu.json]
+        [--output-kind cumulative|final_only] [--out benchmarks/results/engine_overhead-cpu.json]
 """
 
 from __future__ import annotations
@@ -26,20 +27,22 @@ from typing import Any
 import torch
 from common import PHASES, run_steps, write_json
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, RequestOutputKind, SamplingParams
 from tinypaged.engine.sampler import Sampler, SamplingRow
 
 COLUMNS = (*PHASES, "total")
 
 
-def measure(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> dict[str, float]:
+def measure(
+    llm: LLM, batch: int, steps: int, prompt_len: int, seed: int, kind: RequestOutputKind
+) -> dict[str, float]:
     """Mean seconds per decode step in each phase, at this batch size."""
     engine = llm.engine
     rng = random.Random(seed)
     vocab = engine.config.model_config.vocab_size
     for i in range(batch):
         ids = [rng.randrange(vocab) for _ in range(prompt_len)]
-        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": ids}, sampling_params(steps))
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": ids}, sampling_params(steps, kind))
     loop = (result.stats for result in run_steps(llm, time_device=False))
     for st in loop:  # prefill (in chunks) until a step decodes every request
         if st.num_seqs == batch and not st.num_prefill_tokens:
@@ -53,9 +56,11 @@ def measure(llm: LLM, batch: int, steps: int, prompt_len: int, seed: int) -> dic
     return per_step
 
 
-def sampling_params(steps: int) -> SamplingParams:
+def sampling_params(steps: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
     """What every request samples with: enough tokens for the prefill, one warm decode step and the timed ones."""
-    return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 4, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.8, top_p=0.95, max_tokens=steps + 4, ignore_eos=True, output_kind=kind
+    )
 
 
 def time_sampler(llm: LLM, batch: int, steps: int, seed: int) -> float:
@@ -81,14 +86,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--output-kind", choices=["cumulative", "final_only"], default="cumulative")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_overhead-cpu.json"))
     args = ap.parse_args()
 
     kwargs = {"model": args.model} if args.model else {}
+    kind = RequestOutputKind[args.output_kind.upper()]
     llm = LLM(**kwargs, max_num_seqs=max(args.batches), max_num_batched_tokens=4096, max_model_len=512)
     rows: dict[int, dict[str, Any]] = {}
     for b in args.batches:
-        rows[b] = measure(llm, b, args.steps, args.prompt_len, args.seed)
+        rows[b] = measure(llm, b, args.steps, args.prompt_len, args.seed, kind)
         rows[b]["sampler_alone"] = time_sampler(llm, b, args.steps, args.seed)
     print(f"ms per decode step on {platform.machine()} ({torch.get_num_threads()} torch threads)")
     names = (*COLUMNS, "sampler only", "not execute")
@@ -107,6 +114,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "steps": args.steps,
         "prompt_len": args.prompt_len,
+        "output_kind": args.output_kind,
         "seconds_per_step": {str(b): r for b, r in rows.items()},
     }
     write_json(args.out, result)

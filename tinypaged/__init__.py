@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
 __version__ = "0.1.0"
 
 
@@ -14,10 +14,10 @@ def __getattr__(name: str) -> Any:
         from tinypaged.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from tinypaged.sampling_params import SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from tinypaged import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     if name in ("CompletionOutput", "RequestOutput"):
         from tinypaged import outputs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from tinypaged.engine.inputs import wait_grammar
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import Prompt
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 
@@ -71,6 +72,7 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = final_only(params)
         first = self._next_id
         requests = [
             self.engine.process_inputs(str(first + i), prompt, sp)
@@ -87,3 +89,13 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r.request_id] for r in requests]
+
+
+def final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """The same parameters asking the engine for finished outputs only (what a batch waits for); the caller's
+    objects stay as they were, and each distinct one is copied once."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(p)] for p in params]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -91,6 +92,16 @@ class StructuredOutputsParams:
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step()` returns for a request (vLLM's names): CUMULATIVE, a snapshot of
+    everything so far after each of its steps; FINAL_ONLY, only the finished one (`LLM.generate` asks for that:
+    the engine then builds no snapshots and detokenizes once at the end, unless stop strings need the text
+    every step)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's continuation(s); invalid values raise RequestError naming the parameter.
@@ -127,6 +138,7 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False
     # The output follows a JSON schema, regex, choice list or grammar (constrained decoding: engine/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -214,6 +226,11 @@ class SamplingParams:
                 self.prompt_logprobs is None
                 or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (
+                "output_kind",
+                isinstance(self.output_kind, RequestOutputKind),
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
             ),
         ]
         if self.use_beam_search:

@@ -124,6 +124,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])  # a little prompt context for the first token's spacing
+        self.num_outputs = 0  # output ids taken so far
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
@@ -131,6 +132,7 @@ class IncrementalDetokenizer:
     def step(self, new_ids: Sequence[int]) -> str:
         """Append output ids; return the newly complete text (possibly empty)."""
         self.ids.extend(new_ids)
+        self.num_outputs += len(new_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, RequestOutputKind, SamplingParams
 from tinypaged.config import ModelConfig
 from tinypaged.errors import RequestError
 from tinypaged.model import load_model
@@ -109,6 +109,38 @@ def test_stop_strings_and_token_ids(llm: LLM) -> None:
     )
     assert by_id[0].outputs[0].token_ids == free.token_ids[:3]
     assert by_id[0].outputs[0].stop_reason == first
+
+
+def test_final_only_outputs_equal_cumulative_ones(llm: LLM) -> None:
+    """FINAL_ONLY (LLM.generate's kind): no output until a request finishes, and then the same one as
+    CUMULATIVE's last, however its text was found (at the end, or each step for stop strings)."""
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=40),
+        SamplingParams(temperature=1.0, seed=7, n=2, best_of=3, max_tokens=30, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["\n", " the"]),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=25, min_tokens=5, stop_token_ids=[13, 198]),
+        SamplingParams(temperature=0.0, max_tokens=12, n=2, use_beam_search=True),
+        SamplingParams(temperature=1.2, seed=11, max_tokens=64, ignore_eos=True, skip_special_tokens=False),
+    ]
+    engine = llm.engine
+
+    def run(kind: RequestOutputKind) -> dict[str, object]:
+        last = {}
+        for i, (prompt, sp) in enumerate(zip(PROMPTS + PROMPTS[:1], kinds, strict=True)):
+            params = SamplingParams(**{**sp.__dict__, "output_kind": kind})
+            engine.add(engine.process_inputs(f"{kind.name}-{i}", prompt, params))
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                assert out.finished or kind is RequestOutputKind.CUMULATIVE
+                last[out.request_id.split("-")[1]] = out
+        return last
+
+    cumulative, final = run(RequestOutputKind.CUMULATIVE), run(RequestOutputKind.FINAL_ONLY)
+    assert sorted(final) == sorted(cumulative) == [str(i) for i in range(len(kinds))]
+    for i, out in final.items():
+        want = cumulative[i]
+        assert want.finished and [o.__dict__ for o in out.outputs] == [o.__dict__ for o in want.outputs]
+    assert any(o.finish_reason == "stop" and o.stop_reason in ("\n", " the") for o in final["2"].outputs)
 
 
 def test_logprobs(llm: LLM) -> None:

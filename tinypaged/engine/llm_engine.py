@@ -31,7 +31,7 @@ from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, Step
 from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, wait
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -558,12 +558,13 @@ class LLMEngine:
                 continue
             try:
                 self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
-                out = self.output.output(req)
+                finished = req.group.is_finished()
+                if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self.output.output(req))
             except Exception:
                 outputs += self._fail_request(req, "applying its next token failed", step.index)
                 continue
-            outputs.append(out)
-            if out.finished:
+            if finished:
                 del self._requests[req.request_id]
         return outputs
 

@@ -9,7 +9,7 @@ from tinypaged.core.sequence import Sequence, SequenceStatus
 from tinypaged.engine.request import Extend, Request, SeqState, TokenSample
 from tinypaged.engine.sampler import seq_seed
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASON = {
@@ -28,21 +28,23 @@ def check_stop(
     eos_ids: frozenset[int],
     max_model_len: int,
 ) -> SequenceStatus | None:
-    """Detokenize the new token and return the finished status it gives the sequence, or None to go on.
+    """Return the finished status the new token (appended to `seq`) gives the sequence, or None to go on.
 
-    Stop strings are searched only where a new match can be: from the stop string's length before the new
-    text, so a stop string spanning several tokens is found once its last piece arrives.
+    The token is detokenized now where its text is needed now: for stop strings, or for a snapshot after
+    each step (see `sync_text`). Stop strings are searched only where a new match can be: from the stop
+    string's length before the new text, so a stop string spanning several tokens is found once its last
+    piece arrives.
     """
     before = len(state.text)
-    if state.detok is not None:
-        state.text += state.detok.step([token])
+    if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+        sync_text(seq, state)
     n_out = len(seq.token_ids) - seq.prompt_len
     if n_out >= params.min_tokens:
         if token in params.stop_token_ids:
             state.stop_reason = token
-            return _end(state, SequenceStatus.FINISHED_STOPPED)
+            return _end(seq, state, SequenceStatus.FINISHED_STOPPED)
         if not params.ignore_eos and token in eos_ids:
-            return _end(state, SequenceStatus.FINISHED_STOPPED)
+            return _end(seq, state, SequenceStatus.FINISHED_STOPPED)
         best = None
         for stop in params.stop:
             at = state.text.find(stop, max(0, before - len(stop) + 1))
@@ -56,9 +58,9 @@ def check_stop(
             state.stop_reason = stop
             return SequenceStatus.FINISHED_STOPPED
     if params.max_tokens is not None and n_out >= params.max_tokens:
-        return _end(state, SequenceStatus.FINISHED_LENGTH)
+        return _end(seq, state, SequenceStatus.FINISHED_LENGTH)
     if len(seq.token_ids) >= max_model_len:
-        return _end(state, SequenceStatus.FINISHED_LENGTH)
+        return _end(seq, state, SequenceStatus.FINISHED_LENGTH)
     return None
 
 
@@ -66,8 +68,19 @@ class GrammarError(RuntimeError):
     """A token its grammar does not allow (never, once masked): the request fails alone."""
 
 
-def _end(state: SeqState, status: SequenceStatus) -> SequenceStatus:
+def sync_text(seq: Sequence, state: SeqState) -> None:
+    """Detokenize the sequence's output tokens not yet in `state.text` (all at once gives the same text as one
+    at a time; beams have no detokenizer: they are decoded whole when reported)."""
+    detok = state.detok
+    if detok is not None:
+        done = seq.prompt_len + detok.num_outputs
+        if done < len(seq.token_ids):
+            state.text += detok.step(seq.token_ids[done:])
+
+
+def _end(seq: Sequence, state: SeqState, status: SequenceStatus) -> SequenceStatus:
     if state.detok is not None:
+        sync_text(seq, state)
         state.text += state.detok.flush()  # a dangling partial character, if any
     return status
 
@@ -89,6 +102,7 @@ def visible_text(params: SamplingParams, state: SeqState, finished: bool) -> str
 def completion(params: SamplingParams, seq: Sequence, state: SeqState, index: int) -> CompletionOutput:
     """A snapshot of one sequence as vLLM's CompletionOutput (lists copied: the state keeps growing)."""
     finished = seq.status.is_finished
+    sync_text(seq, state)
     return CompletionOutput(
         index=index,
         text=visible_text(params, state, finished),
@@ -177,7 +191,7 @@ class OutputProcessor:
             # A complete grammar ends the output ("stop", even at max_tokens). Not a beam: it becomes a
             # hypothesis by its stop token, which is then all the grammar allows.
             if matcher.is_stopped() and not req.params.use_beam_search:
-                status = status if status is not None else _end(state, SequenceStatus.FINISHED_STOPPED)
+                status = status if status is not None else _end(seq, state, SequenceStatus.FINISHED_STOPPED)
                 status = SequenceStatus.FINISHED_STOPPED
         return status
 
