@@ -113,11 +113,13 @@ def compare(one: dict[str, Any], two: dict[str, Any], prompts: list[list[int]]) 
 
 def fault(llm: LLM, how: str) -> dict[str, Any]:
     """Kill rank 1 (`how` "kill": SIGKILL) or freeze it ("stop": SIGSTOP, found by its silent heartbeat) while
-    a request decodes: how long until the engine raises, what it says, how long shutdown takes, and the GPUs'
-    memory after it (nvidia-smi's view: every process)."""
+    96 requests decode (their steps' all-reduces, 768 KiB, go through symmetric memory unless it is off): how
+    long until the engine raises, what it says, how long shutdown takes, and the GPUs' memory after it
+    (nvidia-smi's view: every process)."""
     engine, executor = llm.engine, llm.engine.executor
-    engine.add_request("fault", {"prompt_token_ids": list(range(100, 612))}, greedy(100000))
-    for _ in range(20):
+    for i in range(96):
+        engine.add_request(f"fault-{i}", {"prompt_token_ids": list(range(100 + i, 356 + i))}, greedy(100000))
+    for _ in range(40):  # the prompts take 12 steps at 2048 tokens a step
         engine.step()
     t0 = time.perf_counter()
     os.kill(executor.worker_pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
