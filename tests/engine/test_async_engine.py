@@ -9,7 +9,7 @@ import threading
 import pytest
 import uvloop
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, RequestOutputKind, SamplingParams
 from tinypaged.engine.async_engine import AsyncEngine
 from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
@@ -72,6 +72,43 @@ def test_fifty_streams_half_cancelled(aengine: AsyncEngine, llm: LLM) -> None:
     _clean(aengine)
     stats = aengine.stats()
     assert stats.generation_tokens_total > 0 and stats.prompt_tokens_total > 0
+
+
+def test_final_only_streams_yield_once_and_cancel_cleanly(aengine: AsyncEngine, llm: LLM) -> None:
+    """A FINAL_ONLY request streams its finished output alone (LLM.generate's, the same); one cancelled
+    before it finishes, while nothing has reached its client yet, still frees its blocks."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    want = llm.generate([f"Story number {i}: once" for i in range(6)], params)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind=params.output_kind)
+
+    async def main() -> tuple[list, list]:
+        await aengine.start()
+        done = await asyncio.gather(*(_consume(aengine, i, params, None) for i in range(6)))
+        cancelled = [asyncio.create_task(_consume(aengine, 100 + i, long, None)) for i in range(4)]
+        for _ in range(1000):
+            if aengine.stats().num_running == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert aengine.stats().num_running == 4
+        for task in cancelled:
+            task.cancel()
+        results = await asyncio.gather(*cancelled, return_exceptions=True)
+        for _ in range(100):  # the aborts are applied by the loop between steps
+            if aengine.stats().num_free_gpu_blocks == aengine.stats().num_gpu_blocks:
+                break
+            await asyncio.sleep(0.01)
+        await aengine.shutdown()
+        return done, results
+
+    done, results = uvloop.run(main())
+    for outs, ref in zip(done, want, strict=True):
+        assert len(outs) == 1 and outs[0].finished
+        assert outs[0].outputs[0].token_ids == ref.outputs[0].token_ids
+        assert outs[0].outputs[0].text == ref.outputs[0].text
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    _clean(aengine)
 
 
 def test_abort_error_and_bad_input(aengine: AsyncEngine, monkeypatch) -> None:
