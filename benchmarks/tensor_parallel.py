@@ -15,7 +15,10 @@ For each size, one engine (the same arguments as benchmarks/throughput.py's) mea
 - torch.profiler over 32 batch-1 decode steps and over a mixed and a decode window of W1: GPU kernel time by
   class, the all-reduces' (NCCL) share of the step among them. The profile is rank 0's; the ranks are symmetric.
 With `--nccl-too`, each size above 1 runs a second time with NCCL doing every all-reduce
-(`disable_custom_all_reduce`), before the default (small all-reduces through symmetric memory).
+(`disable_custom_all_reduce`), before the default (small all-reduces through symmetric memory). Each variant
+also decodes a batch of 96 short prompts greedily (16 tokens: its decode steps' all-reduces are 768 KiB, which
+symmetric memory takes): two ranks' sums are exact either way, so both variants of a size must agree token for
+token.
 With `--fault kill|stop`, last: TP=2's worker is killed (or frozen) during a generation, and the time until the
 engine raises EngineDeadError, its message, the shutdown's time and the GPUs' memory after it are recorded.
 
@@ -67,6 +70,12 @@ def numerics(llm: LLM, prompts: list[list[int]], tokens: int, path: list[list[in
     # One prompt at a time: every position's logits of a long prompt are big (~0.5 GB in fp32 at 8B).
     logits = [prompt_logits(llm, [p + c])[0] for p, c in zip(prompts, path, strict=True)]
     return {"continuations": conts, "logits": logits}
+
+
+def batch_greedy(llm: LLM, prompts: list[list[int]]) -> dict[str, Any]:
+    """Greedy continuations of a batch of prompts, decoded together (16 tokens each)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16))
+    return {"continuations": [o.outputs[0].token_ids for o in outs]}
 
 
 def compare(one: dict[str, Any], two: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
@@ -222,6 +231,13 @@ def print_table(res: dict[str, Any]) -> None:
                     f"  prompt {r['prompt_len']}: parted at token {pt['position']}: TP=1's top-2 gap "
                     f"{pt['tp1_top2_gap']:.4f}, logits' max-abs difference there {pt['logits_max_abs_diff_there']:.4f}"
                 )
+    for key in keys:
+        agree = res[key].get("batch_equal_to_nccl") if isinstance(res.get(key), dict) else None
+        if agree is not None:
+            lines.append(
+                f"{title(key)} vs {title(key)} NCCL, {len(res[key]['batch_continuations'])} greedy continuations "
+                f"decoded together: {agree} equal"
+            )
     f = res.get("fault")
     if isinstance(f, dict) and "error" in f:
         lines.append(
@@ -252,6 +268,7 @@ class Run:
         self.kept: dict[str, dict[str, Any]] = {}  # numerics by variant (logits stay out of the JSON)
         self.work: Any = None
         self.prompts: list[list[int]] = []
+        self.batch_prompts: list[list[int]] = []
 
     def section(self, where: dict[str, Any], name: str, fn: Any) -> Any:
         """Run one part; a failure is recorded and printed, and the other parts still run."""
@@ -294,12 +311,19 @@ class Run:
             res["roofline"] = roofline(cfg, self.work)
             rng = np.random.default_rng(args.seed + 7)
             self.prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in args.prompt_lens]
+            self.batch_prompts = [rng.integers(0, cfg.vocab_size, size=24).tolist() for _ in range(96)]
         first = self.kept.get(res["variants"][0])
         path = first["continuations"] if first else None
         self.kept[key] = self.section(
             {}, "numerics", lambda: numerics(llm, self.prompts, args.greedy_tokens, path)
         )
         r["continuations"] = self.kept[key].get("continuations")
+        batch = self.section({}, "batch", lambda: batch_greedy(llm, self.batch_prompts))
+        r["batch_continuations"] = batch.get("continuations")
+        twin = res.get(f"tp{tp}_nccl", {})
+        if not nccl_only and r["batch_continuations"] and twin.get("batch_continuations"):
+            pairs = zip(r["batch_continuations"], twin["batch_continuations"], strict=True)
+            r["batch_equal_to_nccl"] = sum(a == b for a, b in pairs)
         if "w1" not in args.skip:
             self.section(r, "w1", lambda: run_ours(llm, self.work))
         if "latency" not in args.skip:
