@@ -17,8 +17,8 @@ For each size, one engine (the same arguments as benchmarks/throughput.py's) mea
 With `--nccl-too`, each size above 1 runs a second time with NCCL doing every all-reduce
 (`disable_custom_all_reduce`), before the default (small all-reduces through symmetric memory). Each variant
 also decodes a batch of 96 short prompts greedily (16 tokens: its decode steps' all-reduces are 768 KiB, which
-symmetric memory takes): two ranks' sums are exact either way, so both variants of a size must agree token for
-token.
+symmetric memory takes): at TP=2 a sum of two is correctly rounded either way, so both variants must agree
+token for token.
 With `--fault kill|stop`, last: TP=2's worker is killed (or frozen) during a generation, and the time until the
 engine raises EngineDeadError, its message, the shutdown's time and the GPUs' memory after it are recorded.
 
