@@ -189,8 +189,8 @@ class EngineConfig:
     )
     disable_custom_all_reduce: bool = _arg(
         False,
-        "under tensor parallelism on one node's GPUs, NCCL does every all-reduce (by default those up to 8 MiB go "
-        "through symmetric memory over NVLink)",
+        "under tensor parallelism on one node's GPUs, NCCL does every all-reduce (by default those of 512 KiB to "
+        "8 MiB go through symmetric memory over NVLink)",
     )
     model_config: ModelConfig = field(init=False, repr=False, compare=False)  # read from model/config.json
 
