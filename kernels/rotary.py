@@ -40,6 +40,17 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The cos and sin rows `[1, BLOCK_HALF]` of token t's position."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    c_ok = cols < HALF
+    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr,
     q_ptr,
@@ -65,11 +76,7 @@ def _rotary_kernel(
 ):
     """Rotary embedding of all q and k heads of one token."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    c_ok = cols < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr,
         q_out_ptr,
@@ -104,19 +111,31 @@ def _rotary_kernel(
     )
 
 
+def _launch_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> dict[str, int]:
+    """What both launches check, and their tile sizes and warps: q `[T, Hq, D]`, k `[T, Hkv, D]`."""
+    head_dim = q.shape[2]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    half = head_dim // 2
+    block_hq = triton.next_power_of_2(q.shape[1])
+    return {
+        "HALF": half,
+        "BLOCK_HALF": triton.next_power_of_2(half),
+        "BLOCK_HQ": block_hq,
+        "BLOCK_HK": triton.next_power_of_2(k.shape[1]),
+        "num_warps": min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
+    }
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` into new tensors (semantics: `ops.ref_rotary_embedding`)."""
-    num_tokens, n_q_heads, head_dim = q.shape
-    n_k_heads = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    args = _launch_args(q, k, cos_sin_cache)
+    num_tokens, n_q_heads, n_k_heads = q.shape[0], q.shape[1], k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens:
-        half = head_dim // 2
-        block_hq = triton.next_power_of_2(n_q_heads)
         _rotary_kernel[(num_tokens,)](
             positions,
             q,
@@ -135,11 +154,7 @@ def rotary_embedding(
             k_out.stride(0),
             k_out.stride(1),
             cos_sin_cache.stride(0),
-            HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_HQ=block_hq,
-            BLOCK_HK=triton.next_power_of_2(n_k_heads),
-            num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
+            **args,
         )
     return q_out, k_out
 
@@ -178,12 +193,8 @@ def _rotary_write_kv_kernel(
     """One token: its q heads rotated into q_out; its k heads rotated and its v heads copied into its cache slot
     (none when the slot is negative)."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    c_ok = cols < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + cols, mask=c_ok, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=c_ok, other=0.0)[None, :]
+    cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
         BLOCK_HALF, True,
@@ -214,14 +225,11 @@ def rotary_write_kv(
 ) -> torch.Tensor:
     """q rotated (a new tensor); k rotated and v written into `kv_layer` at `slot_mapping`, in one launch
     (semantics: `ops.ref_rotary_embedding`, then `ops.ref_write_kv` of the rotated k)."""
-    num_tokens, n_q_heads, head_dim = q.shape
-    n_k_heads = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_layer.stride(-1) == 1
-    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim
+    args = _launch_args(q, k, cos_sin_cache)
+    assert v.stride(-1) == 1 and kv_layer.stride(-1) == 1
+    num_tokens, n_q_heads, n_k_heads = q.shape[0], q.shape[1], k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens:
-        half = head_dim // 2
-        block_hq = triton.next_power_of_2(n_q_heads)
         k_cache, v_cache = kv_layer[0], kv_layer[1]
         _rotary_write_kv_kernel[(num_tokens,)](
             positions,
@@ -248,10 +256,6 @@ def rotary_write_kv(
             k_cache.stride(2),
             cos_sin_cache.stride(0),
             BLOCK_SIZE=kv_layer.shape[2],
-            HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_HQ=block_hq,
-            BLOCK_HK=triton.next_power_of_2(n_k_heads),
-            num_warps=min(8, max(1, block_hq * triton.next_power_of_2(half) // 512)),
+            **args,
         )
     return q_out
