@@ -1,11 +1,11 @@
 """Check and time every Triton kernel on the GPU in one run, beside torch SDPA and the copy bandwidth.
 
-    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections correctness decode decode_ragged prefill small]
+    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections correctness decode decode_ragged prefill small gemv]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
 rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
-same run.
+same run, and the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time).
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -38,9 +38,10 @@ RESULTS: dict[str, Any] = {
     "decode_ragged": [],
     "prefill": [],
     "small": [],
+    "gemv": [],
     "sweeps": [],
 }
-SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small")
+SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small", "gemv")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -518,6 +519,65 @@ def small(copy_bw: float) -> None:
         print(f"{name}: {nbytes / ms / 1e9:.2f} TB/s", flush=True)
 
 
+# The 8B shape's linear layers in a decode step, whole (TP=1) and halved (TP=2): (name, N, K) of w [N, K].
+GEMV_SHAPES = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down", 4096, 14336),
+    ("lm_head", 128256, 4096),
+    ("qkv tp2", 3072, 4096),
+    ("o tp2", 4096, 2048),
+    ("gate_up tp2", 14336, 4096),
+    ("down tp2", 4096, 7168),
+    ("lm_head tp2", 64128, 4096),
+]
+GEMV_CONFIGS = [
+    (bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) if bn * bk <= 8192
+]
+
+
+def gemv(copy_bw: float, quick: bool) -> None:
+    """The Triton GEMV against torch's linear (cuBLAS) at 1, 2 and 4 rows: weight bytes over time in CUDA graphs,
+    the graph cycling through enough copies of the weight that none is still in the L2 when read again."""
+    for m in (1, 2, 4):
+        for name, n, k in GEMV_SHAPES:
+            nbytes = n * k * 2
+            copies = min(16, max(2, -(-400_000_000 // nbytes)))
+            ws = [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            want = torch.nn.functional.linear(x.float(), ws[0].float())
+            check(f"gemv {name} m={m} vs fp32", rel_err(tk.gemv(x, ws[0]), want), 1e-2)
+            ms_torch = graph_ms([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws])
+            ms_ours = graph_ms([lambda w=w, x=x: tk.gemv(x, w) for w in ws])
+            best = (ms_ours, None)
+            for cfg in [] if quick or m > 1 else GEMV_CONFIGS:
+                ms = graph_ms([lambda w=w, x=x, cfg=cfg: tk.gemv(x, w, None, cfg) for w in ws])
+                best = min(best, (ms, cfg), key=lambda t: t[0])
+            row = {
+                "name": name,
+                "m": m,
+                "n": n,
+                "k": k,
+                "bytes": nbytes,
+                "ms_torch": ms_torch,
+                "ms_ours": ms_ours,
+                "ms_best": best[0],
+                "best_cfg": repr(best[1]),
+                "TBps_torch": nbytes / ms_torch / 1e9,
+                "TBps_ours": nbytes / ms_ours / 1e9,
+                "TBps_best": nbytes / best[0] / 1e9,
+                "frac_copy_ours": nbytes / ms_ours / 1e-3 / copy_bw,
+            }
+            RESULTS["gemv"].append(row)
+            print(
+                f"gemv {name} m={m}: torch {row['TBps_torch']:.2f} TB/s, ours {row['TBps_ours']:.2f}, best "
+                f"{row['TBps_best']:.2f} ({row['best_cfg']})",
+                flush=True,
+            )
+            del ws
+
+
 def table() -> str:
     """The summary table, measured figures only."""
     lines = [
@@ -571,6 +631,19 @@ def table() -> str:
             f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['ms'] * 1e3:.1f} | {r['TBps']:.2f} | "
             f"{100 * r['frac_copy']:.0f} |"
         )
+    if RESULTS["gemv"]:
+        lines += [
+            "",
+            "| linear, w [N, K] bf16 (graphs) | rows | MB | torch us | torch TB/s | ours us | ours TB/s | % copy "
+            "| best cfg TB/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in RESULTS["gemv"]:
+            lines.append(
+                f"| {r['name']} {r['n']}x{r['k']} | {r['m']} | {r['bytes'] / 1e6:.0f} | {r['ms_torch'] * 1e3:.1f} | "
+                f"{r['TBps_torch']:.2f} | {r['ms_ours'] * 1e3:.1f} | {r['TBps_ours']:.2f} | "
+                f"{100 * r['frac_copy_ours']:.0f} | {r['TBps_best']:.2f} {r['best_cfg']} |"
+            )
     if "decode_host_us_per_call" in RESULTS:
         lines.append(
             f"\nhost time per decode attention call (64 seqs, eager): "
@@ -600,6 +673,8 @@ def main() -> None:
         prefill(args.quick)
     if "small" in run:
         small(copy_bw)
+    if "gemv" in run:
+        gemv(copy_bw, args.quick)
     text = table()
     RESULTS["table"] = text
     write_json(Path(args.out) / "kernels-h200.json", RESULTS)

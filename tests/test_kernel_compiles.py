@@ -61,3 +61,20 @@ def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
     src = ASTSource(fn=_rotary_write_kv_kernel, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
+
+
+def test_gemv_kernel_compiles_for_hopper() -> None:
+    from tinypaged.kernels.gemv import _gemv_kernel, default_config
+
+    block_n, block_k, warps = default_config(1, 4096, 14336)
+    constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"}
+    signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    # As a launch specializes them: pointers, sizes and strides that are multiples of 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "M" and i < 10}
+    src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert "cubin" in kernel.asm
+    # The weight streams in 16-byte loads (scalar loads would leave the kernel far below the bandwidth).
+    assert kernel.asm["ptx"].count("ld.global.v4") >= block_k * block_n * 2 // 16 // (32 * warps)

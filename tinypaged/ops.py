@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
+_GEMV_MAX_ROWS = 4  # kernels/gemv.py's MAX_ROWS (this module imports no kernel until one is used)
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -301,6 +302,16 @@ def rms_norm(
 
         return kernel(x, weight, eps, residual)
     return ref_rms_norm(x, weight, eps, residual)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight^T + bias` for x `[T, K]`: a step of a few rows (batch-1 decode: a matrix-vector product, bound
+    by the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLAS)."""
+    if 0 < x.shape[0] <= _GEMV_MAX_ROWS and uses_triton(x):
+        from tinypaged.kernels import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rotary_embedding(

@@ -61,6 +61,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer applied through ops.linear (a batch-1 step's matrix-vector products go to the Triton GEMV)."""
+    return ops.linear(x, layer.weight, layer.bias)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there.
 
@@ -89,7 +94,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -104,7 +109,7 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
-        return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
+        return self.tp.all_reduce(linear(self.o_proj, out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -119,7 +124,7 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(linear(self.down_proj, ops.silu_and_mul(linear(self.gate_up_proj, x))))
 
 
 class VocabEmbedding(nn.Module):
@@ -209,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits `[N, vocab]` in fp32 of the given hidden rows (on every rank: each computes its vocabulary
         range, gathered in the model's dtype before the cast)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = ops.linear(hidden, weight)
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
         return logits.float()
