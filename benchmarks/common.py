@@ -202,7 +202,7 @@ _CLASSES = (
     ("rms_norm", ("_rms_norm",)),
     ("rotary", ("_rotary",)),
     ("write_kv", ("_write_kv",)),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk", "_gemv")),
     ("copies", ("memcpy", "memset", "copy_")),
     ("elementwise", ("elementwise", "vectorized", "silu", "mul")),
 )

@@ -551,8 +551,10 @@ def gemv(copy_bw: float, quick: bool) -> None:
             ms_torch = graph_ms([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws])
             ms_ours = graph_ms([lambda w=w, x=x: tk.gemv(x, w) for w in ws])
             best = (ms_ours, None)
+            sweep = {}
             for cfg in [] if quick or m > 1 else GEMV_CONFIGS:
                 ms = graph_ms([lambda w=w, x=x, cfg=cfg: tk.gemv(x, w, None, cfg) for w in ws])
+                sweep[repr(cfg)] = nbytes / ms / 1e9
                 best = min(best, (ms, cfg), key=lambda t: t[0])
             row = {
                 "name": name,
@@ -568,6 +570,7 @@ def gemv(copy_bw: float, quick: bool) -> None:
                 "TBps_ours": nbytes / ms_ours / 1e9,
                 "TBps_best": nbytes / best[0] / 1e9,
                 "frac_copy_ours": nbytes / ms_ours / 1e-3 / copy_bw,
+                "sweep_TBps": sweep,
             }
             RESULTS["gemv"].append(row)
             print(

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
-_GEMV_MAX_ROWS = 4  # kernels/gemv.py's MAX_ROWS (this module imports no kernel until one is used)
+# Steps of this many rows go through the Triton GEMV: on the H200 it beats cuBLAS at one row (batch-1 decode)
+# and loses to it at two and four on most of the 8B layers (benchmarks/kernels.py --sections gemv).
+_GEMV_ROWS = 1
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -305,9 +307,9 @@ def rms_norm(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight^T + bias` for x `[T, K]`: a step of a few rows (batch-1 decode: a matrix-vector product, bound
-    by the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLAS)."""
-    if 0 < x.shape[0] <= _GEMV_MAX_ROWS and uses_triton(x):
+    """`x @ weight^T + bias` for x `[T, K]`: a one-row step (batch-1 decode: a matrix-vector product, bound by
+    the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLAS)."""
+    if 0 < x.shape[0] <= _GEMV_ROWS and uses_triton(x):
         from tinypaged.kernels import gemv
 
         return gemv(x, weight, bias)

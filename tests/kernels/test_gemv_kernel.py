@@ -56,8 +56,14 @@ def test_gemv_strided_rows() -> None:
     check(tk.gemv(x, w), x, w, None)
 
 
-def test_linear_facade_takes_few_rows_only() -> None:
-    """ops.linear: the kernel for one to MAX_ROWS rows, torch's matmul for more (and for no rows)."""
-    for m in (0, 1, tk.gemv_max_rows, tk.gemv_max_rows + 1, 16):
+def test_linear_facade_takes_one_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.linear: the kernel for a one-row step, torch's matmul for more rows (and for none); same products."""
+    import tinypaged.kernels
+
+    calls = []
+    kernel = tinypaged.kernels.gemv
+    monkeypatch.setattr(tinypaged.kernels, "gemv", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for m in (0, 1, 2, tk.gemv_max_rows, 16):
         x, w, b = operands(m, 24, 40, torch.float32, bias=True, seed=m)
         check(ops.linear(x, w, b), x, w, b)
+    assert calls == [1]
