@@ -16,8 +16,9 @@ import json
 import logging
 import operator
 import os
+import pickle
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,8 @@ class Membership:
 
     tp: TPGroup
     messages: dist.ProcessGroup
+    # Rank 0: the last message's buffers and broadcasts, kept until they complete (see send).
+    _sent: tuple[Any, ...] = field(default=(), repr=False)
 
     @classmethod
     def join(
@@ -199,16 +202,36 @@ class Membership:
             fast = SymmMemAllReduce.create(group, device)
         return cls(TPGroup(rank, world_size, group, fast), messages)
 
-    def send(self, message: Message) -> None:
-        """Rank 0: the message to every other rank."""
-        dist.broadcast_object_list([message], src=0, group=self.messages)
+    def send(self, message: Message, wait: bool = False) -> None:
+        """Rank 0: the message to every other rank, as its length and then its pickle. The broadcasts run on
+        gloo's threads: rank 0 goes on with its own part of the step meanwhile, and the message's buffers are
+        kept until the next send (or `wait`) finds them done; a failed broadcast raises there."""
+        self.flush()
+        payload = torch.frombuffer(
+            bytearray(pickle.dumps(message, pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
+        )
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = [dist.broadcast(t, src=0, group=self.messages, async_op=True) for t in (size, payload)]
+        self._sent = (size, payload, works)
+        if wait:
+            self.flush()
+
+    def flush(self) -> None:
+        """Rank 0: wait until the last message has gone out."""
+        if self._sent:
+            works = self._sent[2]
+            self._sent = ()
+            for work in works:
+                work.wait()
 
     def receive(self) -> Message:
         """A worker: the next message from rank 0 (waits as long as it takes)."""
-        box: list[Message | None] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.messages)
-        assert box[0] is not None
-        return box[0]
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.messages)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.messages)
+        message: Message = pickle.loads(memoryview(payload.numpy()))
+        return message
 
     def leave(self) -> None:
         """Destroy the process groups (frees NCCL's buffers)."""

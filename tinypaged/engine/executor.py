@@ -260,7 +260,7 @@ class Executor:
         self._monitor.stop()  # from now on workers exit on purpose
         if self._group is not None and self._failure is None:
             try:
-                self._group.send(Stop())
+                self._group.send(Stop(), wait=True)
             except Exception:  # noqa: BLE001 - the workers are killed below
                 logger.exception("sending the stop to the tensor-parallel workers")
         deadline = time.monotonic() + _STOP_WAIT_S
