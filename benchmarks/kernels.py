@@ -331,8 +331,8 @@ def decode_shape(batch: int, ctx: int, copy_bw: float, quick: bool) -> None:
 def decode_ragged(copy_bw: float, max_seq_len: int = 2048) -> None:
     """Decode attention over W1-like ragged contexts (uniform in [96, 1536]) as the engine's decode graphs launch
     it: the split count chosen for `max_seq_len` (a graph's bound is max_model_len, whatever the contexts), beside
-    fixed split counts. A split count tuned for equal contexts can leave the longest sequences' programs running
-    alone at the end of the wave."""
+    fixed split counts, each with the programs in batch order and longest first (`seq_order`, as the engine
+    stages it). In batch order the longest sequences' programs can be left running alone at the end."""
     hq, hkv, d, block_size = 32, 8, 128, 16
     scale = d**-0.5
     for batch in (256, 128, 32):
@@ -342,6 +342,7 @@ def decode_ragged(copy_bw: float, max_seq_len: int = 2048) -> None:
         n_sets = max(1, -(-256 * 2**20 // kv_bytes))
         sets = [paged_batch([1] * batch, ctx, hq, hkv, d, block_size, seed=i) for i in range(n_sets)]
         q0 = sets[0][0]
+        order = torch.argsort(sets[0][3], descending=True, stable=True).to(torch.int32)
         block_n = tk.attention.default_configs(q0, hq // hkv)[0].block_n
         auto = tk.attention.choose_num_splits(q0, batch, hkv, max_seq_len, block_n)
         row: dict[str, Any] = {
@@ -350,23 +351,26 @@ def decode_ragged(copy_bw: float, max_seq_len: int = 2048) -> None:
             "kv_bytes": kv_bytes,
             "splits_auto": auto,
         }
-        for splits in sorted({1, 2, 4, 8, auto}):
-            ms = graph_ms(
-                [
-                    lambda s=s, k=splits: tk.paged_attention(
-                        *s, scale, max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=k
-                    )
-                    for s in sets
-                ]
+        for name, seq_order in (("batch_order", None), ("longest_first", order)):
+            for splits in sorted({1, 2, 4, 8, auto}):
+                ms = graph_ms(
+                    [
+                        lambda s=s, k=splits, o=seq_order: tk.paged_attention(
+                            *s, scale, max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=k, seq_order=o
+                        )
+                        for s in sets
+                    ]
+                )
+                row[f"TBps_{name}_splits_{splits}"] = kv_bytes / ms / 1e9
+                row[f"frac_copy_{name}_splits_{splits}"] = kv_bytes / ms / 1e-3 / copy_bw
+            print(
+                f"decode ragged {batch} x ~{row['ctx_mean']:.0f}, {name}: auto splits {auto}; TB/s by splits "
+                + ", ".join(
+                    f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in row.items() if k.startswith(f"TBps_{name}")
+                ),
+                flush=True,
             )
-            row[f"TBps_splits_{splits}"] = kv_bytes / ms / 1e9
-            row[f"frac_copy_splits_{splits}"] = kv_bytes / ms / 1e-3 / copy_bw
         RESULTS["decode_ragged"].append(row)
-        print(
-            f"decode ragged {batch} x ~{row['ctx_mean']:.0f}: auto splits {auto}; TB/s by splits "
-            + ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in row.items() if k.startswith("TBps")),
-            flush=True,
-        )
         torch.cuda.empty_cache()
 
 
@@ -605,14 +609,18 @@ def table() -> str:
     if RESULTS["decode_ragged"]:
         lines += [
             "",
-            "| decode, ragged contexts 96-1536 (graphs) | KV MB | auto splits | TB/s by splits |",
-            "|---|---|---|---|",
+            "| decode, ragged contexts 96-1536 (graphs) | KV MB | auto splits | programs | TB/s by splits |",
+            "|---|---|---|---|---|",
         ]
         for r in RESULTS["decode_ragged"]:
-            by = ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith("TBps"))
-            lines.append(
-                f"| {r['batch']} x ~{r['ctx_mean']:.0f} | {r['kv_bytes'] / 1e6:.0f} | {r['splits_auto']} | {by} |"
-            )
+            for name in ("batch_order", "longest_first"):
+                by = ", ".join(
+                    f"{k.rsplit('_', 1)[1]}: {v:.2f}" for k, v in r.items() if k.startswith(f"TBps_{name}")
+                )
+                lines.append(
+                    f"| {r['batch']} x ~{r['ctx_mean']:.0f} | {r['kv_bytes'] / 1e6:.0f} | {r['splits_auto']} "
+                    f"| {name.replace('_', ' ')} | {by} |"
+                )
     lines += [
         "",
         "| prefill bf16 causal | ours ms | ours TFLOP/s | best cfg TFLOP/s | SDPA ms "

@@ -4,7 +4,9 @@ Each program owns one KV head and a tile of BLOCK_M rows; a row is (query token,
 heads that share the KV head packed side by side (GQA packing), so each KV tile is read once for all of them.
 - Decode mode (sequences with one new token): program = (sequence, KV head, split); the sequence's KV tiles
   are divided evenly among the splits, which write fp32 partials that `_reduce_kernel` combines
-  (flash decoding).
+  (flash decoding). With a `seq_order` (the sequences longest first), the programs take the sequences in
+  that order: the GPU starts programs in grid order, so on ragged contexts the long ones no longer run alone
+  at the end of the launch (longest-processing-time-first scheduling).
 - Prefill mode (sequences with more than one new token): program = (query block, KV head); a query block
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
@@ -105,6 +107,7 @@ def _paged_attn_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    seq_order_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -126,6 +129,7 @@ def _paged_attn_kernel(
     DECODE: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    ORDERED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
@@ -135,7 +139,10 @@ def _paged_attn_kernel(
     k_ptr = kv_ptr
     v_ptr = kv_ptr + stride_kv
     if DECODE:
-        seq = tl.program_id(1)
+        if ORDERED:
+            seq = tl.load(seq_order_ptr + tl.program_id(1))
+        else:
+            seq = tl.program_id(1)
         q_block = 0
     else:
         # Reversed so that the last (longest, under the causal mask) query blocks start first.
@@ -292,6 +299,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    seq_order: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     configs: tuple[AttnConfig, AttnConfig] | None = None,
 ) -> torch.Tensor:
@@ -300,7 +308,9 @@ def paged_attention(
     `max_query_len` (longest new-token run in the batch) and `max_seq_len` (an upper bound of `seq_lens`) are
     hints that keep the launch free of host syncs; without them `max_query_len` is 1 when T == B and is read
     from `query_start_loc` otherwise, and `max_seq_len` is bounded by the block table's width.
-    `num_kv_splits` forces the decode split count (1 = no split-KV); `out` is an optional `[T, Hq, D]` output.
+    `num_kv_splits` forces the decode split count (1 = no split-KV). `seq_order` `[B]` int32, a permutation of the
+    sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
+    result. `out` is an optional `[T, Hq, D]` output.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
@@ -336,6 +346,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
     tensors = (block_tables, seq_lens, query_start_loc)
+    assert seq_order is None or seq_order.shape == (num_seqs,)
 
     if max_query_len > 1:
         cfg = prefill_cfg
@@ -348,6 +359,7 @@ def paged_attention(
             out,
             out,
             *tensors,
+            seq_lens,
             **common,
             BLOCK_M=cfg.block_m,
             BLOCK_Q=block_q,
@@ -356,6 +368,7 @@ def paged_attention(
             DECODE=False,
             SKIP_SINGLE=True,
             SPLIT_KV=False,
+            ORDERED=False,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **launch_options(q, cfg),
@@ -377,6 +390,7 @@ def paged_attention(
         part_o,
         part_ml,
         *tensors,
+        seq_lens if seq_order is None else seq_order,
         **common,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=1,
@@ -385,6 +399,7 @@ def paged_attention(
         DECODE=True,
         SKIP_SINGLE=False,
         SPLIT_KV=splits > 1,
+        ORDERED=seq_order is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(q, cfg),

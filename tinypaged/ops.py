@@ -366,12 +366,13 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`).
 
     `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
-    under CUDA graphs).
+    under CUDA graphs). `seq_order` (the sequences longest first) only schedules the kernel's programs.
     """
     if uses_triton(q):
         from tinypaged.kernels import paged_attention as kernel
@@ -385,6 +386,7 @@ def paged_attention(
             scale,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            seq_order=seq_order,
         )
     return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import ScheduledSeq
 from tinypaged.engine.model_runner import graph_token_sizes
-from tinypaged.engine.staging import PendingTokens, Staging
+from tinypaged.engine.staging import PendingTokens, Staging, longest_first
 from tinypaged.model import load_model
 
 
@@ -21,6 +22,30 @@ def test_graph_token_sizes() -> None:
     sizes = graph_token_sizes(2048)
     assert sizes[:5] == [16, 32, 64, 128, 256] and sizes[-4:] == [1280, 1536, 1792, 2048]
     assert all(b - a <= 256 for a, b in zip(sizes[3:], sizes[4:], strict=False))
+
+
+def test_longest_first() -> None:
+    lens = np.array([3, 9, 9, 1, 12], dtype=np.int32)
+    assert longest_first(lens, 5).tolist() == [4, 1, 2, 0, 3]  # ties keep their order
+    assert longest_first(lens, 8).tolist() == [4, 1, 2, 0, 3, 5, 6, 7]
+    assert longest_first(lens[:0], 3).tolist() == [0, 1, 2]
+
+
+def test_decode_staging_orders_longest_first(model_dir: Path) -> None:
+    """A decode graph's rows: the staged order is the real rows longest first, then the padding rows; the
+    buffers of a larger graph's rows beyond the batch stay a permutation of their own."""
+    config = EngineConfig(model=model_dir, device="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    staging = Staging(config, torch.device("cpu"))
+    assert staging.graph_input(8, 64).meta.decode_order.tolist() == list(range(8))
+    batch = (
+        ScheduledSeq(0, "a", 20, 1, (5,), (3, 7), True),
+        ScheduledSeq(1, "b", 40, 1, (6,), (4, 8, 2), True),
+        ScheduledSeq(2, "c", 5, 1, (7,), (9,), True),
+    )
+    inp = staging.stage_decode(batch, 4, 64)
+    assert inp.meta.seq_lens.tolist() == [21, 41, 6, 0]
+    assert inp.meta.decode_order.tolist() == [1, 0, 2, 3]
+    assert staging.graph_input(4, 64).meta.decode_order.tolist() == [1, 0, 2, 3]
 
 
 def _batch() -> tuple[ScheduledSeq, ...]:
@@ -68,6 +93,9 @@ def test_mixed_graph_staging_computes_what_eager_does(model_dir: Path) -> None:
             assert meta.seq_lens.shape == (8,) and meta.seq_lens[4:].eq(0).all()
             assert meta.query_start_loc.tolist() == [0, 1, 14, 15, 24, 24, 24, 24, 24]
             assert meta.block_tables.shape[0] == 8
+        # Longest first (lengths 21, 13, 6, 25), then the graph's padding rows.
+        want_order = [3, 0, 1, 2, 4, 5, 6, 7] if graph_tokens else [3, 0, 1, 2]
+        assert meta.decode_order.tolist() == want_order
     torch.testing.assert_close(hidden[1][:24], hidden[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
     assert not caches[0].equal(context)  # the step wrote K/V

@@ -84,6 +84,25 @@ def test_decode_only(g: int, splits: int) -> None:
     run(*batch, num_kv_splits=splits, max_query_len=1, max_seq_len=71)
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "ctx_lens", "splits"),
+    [
+        ([1] * 5, [5, 70, 0, 33, 16], 1),
+        ([1] * 5, [5, 70, 0, 33, 16], 3),
+        ([1, 9, 1, 23, 1], [37, 0, 5, 18, 60], 2),
+    ],
+)
+def test_decode_order(q_lens: list[int], ctx_lens: list[int], splits: int) -> None:
+    """Decode programs that take the sequences longest first (`seq_order`, as the engine stages it) write the
+    same rows, bit for bit: the order schedules the programs and changes nothing they compute."""
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, ctx_lens, 2, 4, 64, 16, torch.float32, seed=splits)
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    assert order.tolist() != list(range(len(q_lens)))
+    plain = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits)
+    ordered = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits, seq_order=order)
+    assert torch.equal(plain, ordered)
+
+
 @pytest.mark.parametrize("g", [1, 4])
 def test_prefill_tiles(g: int) -> None:
     """Small tiles so that each sequence spans several query blocks and KV tiles, with and without context."""

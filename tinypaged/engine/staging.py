@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinypaged.config import EngineConfig
@@ -20,6 +21,14 @@ _ALIGN = 32
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def longest_first(lens: np.ndarray, rows: int) -> np.ndarray:
+    """The order decode attention takes `rows` sequences in: those with lengths `lens` longest first, then the
+    padding rows after them (see kernels/attention.py)."""
+    order = np.arange(rows, dtype=np.int32)
+    order[: len(lens)] = np.argsort(-lens, kind="stable")
+    return order
 
 
 def table_width(num_blocks: int) -> int:
@@ -49,12 +58,13 @@ class PendingTokens:
 class Staging:
     """Host-to-device staging of a step's integers: one pinned int32 buffer, one copy per step.
 
-    Eager steps pack [input ids | positions | slots | sample rows | seq lens | query starts | block tables]
-    back to back and read views of one device buffer. Decode graphs read fixed device buffers: ids, positions,
-    slots and seq lens `[4, max_bs]` and block tables `[max_bs, max_blocks]`, filled by two device copies out
-    of the same one host-to-device copy. Mixed-step graphs (`max_graph_tokens` > 0) read ids, positions and
-    slots `[3, max_graph_tokens]`, seq lens and query starts `[2, max_num_seqs + 1]` and the same block
-    tables, filled by three device copies. On the CPU the host buffer is the device buffer.
+    Eager steps pack [input ids | positions | slots | sample rows | seq lens | query starts | decode order |
+    block tables] back to back and read views of one device buffer. Decode graphs read fixed device buffers:
+    ids, positions, slots, seq lens and decode order `[5, max_bs]` and block tables `[max_bs, max_blocks]`,
+    filled by two device copies out of the same one host-to-device copy. Mixed-step graphs
+    (`max_graph_tokens` > 0) read ids, positions and slots `[3, max_graph_tokens]`, seq lens, query starts and
+    decode order `[3, max_num_seqs + 1]` and the same block tables, filled by three device copies. On the CPU
+    the host buffer is the device buffer.
 
     `ids_from_rank0` (tensor-parallel ranks other than 0): input tokens pending on the device are not here; they
     are staged as zeros and the runner overwrites the ids with rank 0's by broadcast.
@@ -74,7 +84,7 @@ class Staging:
         seqs, tokens = config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_width = _round_up(self.max_blocks, 16)
         # Eager layout, or a mixed graph's (its token rows padded to its size, its sequence rows to max_num_seqs).
-        size = 4 * tokens + 6 * seqs + 10 * _ALIGN + seqs * self.max_width + 3 * max_graph_tokens
+        size = 4 * tokens + 7 * seqs + 11 * _ALIGN + seqs * self.max_width + 3 * max_graph_tokens
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
         self.host_np = self.host.numpy()
@@ -83,12 +93,14 @@ class Staging:
         # Decode-graph buffers (device only): padding rows keep slot -1 and seq len 0, so kernels skip them.
         self.max_graph_bs = seqs
         self.g_stride = _round_up(seqs, _ALIGN)
-        self.g_small = torch.zeros((4, self.g_stride), dtype=torch.int32, device=device)
+        self.g_small = torch.zeros((5, self.g_stride), dtype=torch.int32, device=device)
+        self.g_small[4] = torch.arange(self.g_stride)  # every prefix is a permutation of its rows
         self.g_bt = torch.zeros((seqs, self.max_width), dtype=torch.int32, device=device)
         self.g_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         # Mixed-graph buffers: ids, positions, slots; seq lens and query starts (block tables: g_bt's).
         self.m_tok = torch.zeros((3, max_graph_tokens), dtype=torch.int32, device=device)
-        self.m_seq = torch.zeros((2, seqs + 1), dtype=torch.int32, device=device)
+        self.m_seq = torch.zeros((3, seqs + 1), dtype=torch.int32, device=device)
+        self.m_seq[2] = torch.arange(seqs + 1)
 
     def _host_free(self) -> None:
         """Wait until the device has read the last step's staging (normally long done: the sampler synced)."""
@@ -136,7 +148,7 @@ class Staging:
 
     def graph_input(self, bs: int, max_seq_len: int) -> ModelInput:
         """The views a decode graph of batch size `bs` reads (captured once, refilled every step)."""
-        ids, pos, slots, seq_lens = self.g_small[:, :bs]
+        ids, pos, slots, seq_lens, order = self.g_small[:, :bs]
         meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.g_bt[:bs],
@@ -144,6 +156,7 @@ class Staging:
             query_start_loc=self.g_qsl[: bs + 1],
             max_query_len=1,
             max_seq_len=max_seq_len,
+            decode_order=order,
         )
         if bs == self.max_graph_bs:  # before capture: all rows are padding
             self.g_small[2].fill_(-1)
@@ -177,19 +190,22 @@ class Staging:
         h[mb + n : mb + bs] = 0
         h[2 * mb + n : 2 * mb + bs] = -1
         h[3 * mb + n : 3 * mb + bs] = 0
-        bt = h[4 * mb : 4 * mb + n * width].reshape(n, width)
+        h[4 * mb : 4 * mb + bs] = longest_first(h[3 * mb : 3 * mb + n], bs)
+        bt = h[5 * mb : 5 * mb + n * width].reshape(n, width)
         bt.fill(0)
         for i, s in enumerate(scheduled):
             bt[i, : len(s.block_table)] = s.block_table
-        bt_end = 4 * mb + n * width
+        bt_end = 5 * mb + n * width
         o_dst = _round_up(bt_end, _ALIGN)
         o_src, k, end = self._stage_pending(o_dst, scheduled, list(range(n)), pending)
         self._send(end)
-        self.g_small.view(-1).copy_(self.dev[: 4 * mb])
-        self.g_bt[:n, :width].copy_(self.dev[4 * mb : bt_end].view(n, width))
-        ids_t, pos_t, slots_t, lens_t = self.g_small[:, :bs]
+        self.g_small.view(-1).copy_(self.dev[: 5 * mb])
+        self.g_bt[:n, :width].copy_(self.dev[5 * mb : bt_end].view(n, width))
+        ids_t, pos_t, slots_t, lens_t, order_t = self.g_small[:, :bs]
         self._fill_pending(ids_t, o_dst, o_src, k, pending)
-        meta = AttentionMetadata(slots_t, self.g_bt[:bs], lens_t, self.g_qsl[: bs + 1], 1, max_seq_len)
+        meta = AttentionMetadata(
+            slots_t, self.g_bt[:bs], lens_t, self.g_qsl[: bs + 1], 1, max_seq_len, decode_order=order_t
+        )
         return ModelInput(ids_t, pos_t, meta, slice(0, n))
 
     def mixed_graph_input(self, num_tokens: int, max_seq_len: int) -> ModelInput:
@@ -202,7 +218,7 @@ class Staging:
         which a decode graph or an eager step runs)."""
         if num_tokens == self.m_tok.shape[1]:  # the first capture: every row is padding
             self.m_tok[2].fill_(-1)
-            self.m_seq.zero_()
+            self.m_seq[:2].zero_()
         return self._mixed_views(num_tokens, max_seq_len, slice(None))
 
     def _mixed_views(self, num_tokens: int, max_seq_len: int, rows: torch.Tensor | slice) -> ModelInput:
@@ -214,6 +230,7 @@ class Staging:
             query_start_loc=self.m_seq[1],
             max_query_len=num_tokens,
             max_seq_len=max_seq_len,
+            decode_order=self.m_seq[2, : self.max_graph_bs],
         )
         return ModelInput(ids, pos, meta, rows)
 
@@ -260,7 +277,8 @@ class Staging:
         o_samp = 3 * o_pos
         o_len = o_samp + _round_up(n_samp, _ALIGN)
         o_qsl = o_len + _round_up(pad_seq + 1, _ALIGN)
-        o_bt = o_qsl + _round_up(pad_seq + 1, _ALIGN)
+        o_ord = o_qsl + (o_qsl - o_len)
+        o_bt = o_ord + (o_qsl - o_len)
         end = o_bt + n_seq * width
         h = self.host_np
         h[0:n_tok], h[o_pos : o_pos + n_tok], h[o_slot : o_slot + n_tok] = ids, pos, slots
@@ -274,6 +292,7 @@ class Staging:
             h[o_slot + n_tok : o_slot + pad_tok] = -1
             h[o_len + n_seq : o_len + pad_seq + 1] = 0
             h[o_qsl + n_seq + 1 : o_qsl + pad_seq + 1] = n_tok
+        h[o_ord : o_ord + pad_seq] = longest_first(h[o_len : o_len + n_seq], pad_seq)
         bt = h[o_bt:end].reshape(n_seq, width)
         bt.fill(0)
         for i, s in enumerate(scheduled):
@@ -285,7 +304,7 @@ class Staging:
         rows: torch.Tensor | slice = slice(0, n_tok) if n_samp == n_tok else d[o_samp : o_samp + n_samp]
         if graph_tokens:
             self.m_tok[:, :pad_tok].copy_(d[: 3 * o_pos].view(3, o_pos)[:, :pad_tok])
-            self.m_seq.copy_(d[o_len : o_len + 2 * (o_qsl - o_len)].view(2, -1)[:, : pad_seq + 1])
+            self.m_seq.copy_(d[o_len : o_len + 3 * (o_qsl - o_len)].view(3, -1)[:, : pad_seq + 1])
             self.g_bt[:n_seq, :width].copy_(d[o_bt:end].view(n_seq, width))
             self._fill_pending(self.m_tok[0, :pad_tok], o_dst, o_src, k, pending)
             return self._mixed_views(pad_tok, max(lens), rows)
@@ -297,5 +316,6 @@ class Staging:
             query_start_loc=d[o_qsl : o_qsl + n_seq + 1],
             max_query_len=max(s.num_new_tokens for s in scheduled),
             max_seq_len=max(lens),
+            decode_order=d[o_ord : o_ord + n_seq],
         )
         return ModelInput(d[0:n_tok], d[o_pos : o_pos + n_tok], meta, rows)

@@ -28,6 +28,8 @@ class AttentionMetadata:
     # Host-side bounds that keep the attention launch free of device syncs (None: the kernel derives them).
     max_query_len: int | None = None
     max_seq_len: int | None = None
+    # [B] int32, the sequences longest first: the order decode attention takes them in (speed only).
+    decode_order: torch.Tensor | None = None
 
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
@@ -108,6 +110,7 @@ class Attention(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            seq_order=meta.decode_order,
         )
         return self.tp.all_reduce(linear(self.o_proj, out.view(t, self.q_size)))
 
