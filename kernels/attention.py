@@ -2,7 +2,7 @@
 
 Each program owns one KV head and a tile of BLOCK_M rows; a row is (query token, query head) with the G query
 heads that share the KV head packed side by side (GQA packing), so each KV tile is read once for all of them.
-- Decode mode (sequences with one new token): program = (sequence, KV head, split); the sequence's KV tiles
+- Decode mode (sequences with one new token): program = (KV head, sequence x split); the sequence's KV tiles
   are divided evenly among the splits, which write fp32 partials that `_reduce_kernel` combines
   (flash decoding). With a `seq_order` (the sequences longest first), the programs take the sequences in
   that order: the GPU starts programs in grid order, so on ragged contexts the long ones no longer run alone
@@ -138,11 +138,18 @@ def _paged_attn_kernel(
     kv_head = tl.program_id(0)
     k_ptr = kv_ptr
     v_ptr = kv_ptr + stride_kv
+    split = 0
     if DECODE:
+        # Axis 1 is (sequence, split), the split fastest: a sequence's splits start together, and in the
+        # longest-first order the longest sequences' splits all start first.
+        rank = tl.program_id(1)
+        if SPLIT_KV:
+            split = rank % num_splits
+            rank = rank // num_splits
         if ORDERED:
-            seq = tl.load(seq_order_ptr + tl.program_id(1))
+            seq = tl.load(seq_order_ptr + rank)
         else:
-            seq = tl.program_id(1)
+            seq = rank
         q_block = 0
     else:
         # Reversed so that the last (longest, under the causal mask) query blocks start first.
@@ -183,7 +190,6 @@ def _paged_attn_kernel(
     n_tiles = tl.cdiv(end, BLOCK_N)
     n_full = tl.minimum((first_pos + 1) // BLOCK_N, n_tiles)
     if SPLIT_KV:
-        split = tl.program_id(2)
         per_split = tl.cdiv(n_tiles, num_splits)
         lo = tl.minimum(split * per_split, n_tiles)
         hi = tl.minimum(lo + per_split, n_tiles)
@@ -383,7 +389,8 @@ def paged_attention(
         part_ml = torch.empty((2, splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    _paged_attn_kernel[(num_kv_heads, num_seqs, splits)](
+    assert num_seqs * splits < 2**16, "too many decode programs for the grid's second axis"
+    _paged_attn_kernel[(num_kv_heads, num_seqs * splits, 1)](
         q,
         kv_layer,
         out,

@@ -58,23 +58,22 @@ def _default_configs(
 def choose_num_splits(
     q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
 ) -> int:
-    """KV splits for decode: the fewest that minimise the waves of equal programs, each at least 4 tiles."""
+    """KV splits for decode: none once the programs fill the GPU, else the most that still run in one wave, each
+    split at least 4 tiles."""
     if not q.is_cuda:
         return 1
     slots = _DECODE_PROGRAMS_PER_SM * _num_sms(q.device)
     return _choose_num_splits(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
 
 
-@functools.cache
 def _choose_num_splits(programs: int, slots: int, max_splits: int) -> int:
-    # Time ~ waves of programs (a partly filled last wave costs a whole one) / splits, plus a guess of the
-    # costs that grow with the split count (per-program setup, partials) and of the reduce launch.
-    best, best_cost = 1, float(triton.cdiv(programs, slots))
-    for s in range(2, max_splits + 1):
-        cost = triton.cdiv(programs * s, slots) / s * (1.02 + 0.01 * s)
-        if cost < best_cost * 0.999:
-            best, best_cost = s, cost
-    return best
+    # With a wave or more of programs, taking the sequences longest first (kernels/attention.py) balances the
+    # ragged contexts of real batches better than splits do: on W1-like contexts at 128-256 sequences one split
+    # beat every split count by 8-30% (BENCHMARKS.md). Fewer programs than slots leave SMs idle: split them up
+    # to one whole wave (a second, nearly empty wave would double the tail).
+    if programs >= slots:
+        return 1
+    return max(1, min(max_splits, slots // programs))
 
 
 def launch_options(q: torch.Tensor, cfg: AttnConfig) -> dict[str, int]:
