@@ -135,8 +135,10 @@ def _run_ours(llm: LLM, work: Work) -> dict[str, Any]:
 def profile_ours(llm: LLM, work: Work, windows: int = 20) -> dict[str, Any]:
     """torch.profiler over two windows of W1's steps, a mixed one (from step 4) and a decode-only one (after
     50 decode-only steps): GPU kernel time by kernel and by op class, against the window's wall time (the
-    rest is host time, GPU idle)."""
+    rest is host time, GPU idle). The prefix cache is emptied first: it holds the measured run's prompts, whose
+    hits would leave the "mixed" window without prefill."""
     engine = llm.engine
+    llm.reset_prefix_cache()
     for i, (p, o) in enumerate(work):
         engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, greedy(o))
     result: dict[str, Any] = {}
