@@ -30,6 +30,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each milestone, in `time.monotonic()` seconds (vLLM's RequestMetrics): its arrival
+    in the engine, the steps that gave it its first and its latest tokens, and its end."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def tokens_at(self, now: float) -> None:
+        """Record a step that gave the request tokens, at `now`."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: its prompt and its outputs so far."""
 
@@ -46,3 +63,4 @@ class RequestOutput:
     error_kind: Literal["ignored", "invalid", "internal"] | None = None
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one entry per prompt token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None  # as of this output

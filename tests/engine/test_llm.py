@@ -143,6 +143,36 @@ def test_final_only_outputs_equal_cumulative_ones(llm: LLM) -> None:
     assert any(o.finish_reason == "stop" and o.stop_reason in ("\n", " the") for o in final["2"].outputs)
 
 
+def test_request_metrics(llm: LLM) -> None:
+    """RequestOutput.metrics: the arrival, the steps that gave the first and the latest tokens, and the end, in
+    that order; each output holds a snapshot; a final-only output the same milestones; an abort stamps the end."""
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    final = SamplingParams(**{**greedy.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
+    engine.add(engine.process_inputs("m-cumulative", PROMPTS[0], greedy))
+    engine.add(engine.process_inputs("m-final", PROMPTS[1], final))
+    seen: dict[str, list] = {"m-cumulative": [], "m-final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            seen[out.request_id].append(out)
+    steps, (last,) = seen["m-cumulative"], seen["m-final"]
+    assert len(steps) >= 2
+    assert len({o.metrics.first_token_time for o in steps}) == 1  # set once, copied into each output
+    latest = [o.metrics.last_token_time for o in steps]
+    assert latest == sorted(latest) and latest[-1] > latest[0] == steps[0].metrics.first_token_time
+    assert all(o.metrics.finished_time is None for o in steps[:-1])
+    for out in (steps[-1], last):
+        m = out.metrics
+        assert out.finished and m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+    engine.add(engine.process_inputs("m-aborted", PROMPTS[2], SamplingParams(max_tokens=50)))
+    engine.step()
+    aborted = engine.abort_request("m-aborted")
+    assert aborted is not None and aborted.finished and aborted.metrics.finished_time is not None
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_logprobs(llm: LLM) -> None:
     out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 4

@@ -10,6 +10,7 @@ import threading
 import time
 
 import aiohttp
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -218,3 +219,26 @@ def test_tokenize_detokenize_models_version_openapi(raw, server) -> None:
     assert "prompt" in req["required"] and req["properties"]["top_p"]["exclusiveMinimum"] == 0
     refs = json.dumps(doc).split('"$ref": "')[1:]
     assert all(r.split('"')[0].removeprefix("#/components/schemas/") in schemas for r in refs)
+
+
+def test_requests_read_at_their_end_ask_for_the_final_output(server) -> None:
+    """A request that is not streamed, or is streamed whole (beam search, best_of > n), asks the engine for its
+    final output alone; a streamed one for every step's. (The metrics test above times the final-only ones.)"""
+    from tinypaged.sampling_params import RequestOutputKind
+    from tinypaged.server import protocol as p
+
+    kinds = {}
+    for name, body in {
+        "plain": {},
+        "stream": {"stream": True},
+        "stream beams": {"stream": True, "use_beam_search": True, "n": 2, "temperature": 0.0},
+        "stream best_of": {"stream": True, "n": 1, "best_of": 2},
+    }.items():
+        req = msgspec.convert({"prompt": "Hello", **body}, p.CompletionRequest)
+        kinds[name] = server.serving.sampling_params(req, 8, None).output_kind
+    assert kinds == {
+        "plain": RequestOutputKind.FINAL_ONLY,
+        "stream": RequestOutputKind.CUMULATIVE,
+        "stream beams": RequestOutputKind.FINAL_ONLY,
+        "stream best_of": RequestOutputKind.FINAL_ONLY,
+    }

@@ -123,6 +123,7 @@ class LLMEngine:
             request.request_id, [seq], time.monotonic(), reads_prefix_cache=params.prompt_logprobs is None
         )
         req = Request(group, request.prompt, list(ids), params, self._strategy(params, len(ids)))
+        req.metrics.arrival_time = group.arrival_time
         self.output.start(req)
         self._requests[request.request_id] = req
         if grammar is None:
@@ -547,6 +548,7 @@ class LLMEngine:
             else:
                 items.append((draw, result))
         outputs = []
+        now = time.monotonic()  # when this step's tokens reach their requests (RequestOutput.metrics)
         for req, items in by_request.items():
             if self._requests.get(req.request_id) is not req:
                 continue  # aborted while the step was in flight: abort_request reported it
@@ -558,6 +560,7 @@ class LLMEngine:
                 continue
             try:
                 self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
+                req.metrics.tokens_at(now)
                 finished = req.group.is_finished()
                 if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self.output.output(req))

@@ -3,12 +3,15 @@ logprobs, cumulative logprob, stop reason), stop checks, prompt logprobs, and th
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 
 from tinypaged.core.sequence import Sequence, SequenceStatus
 from tinypaged.engine.request import Extend, Request, SeqState, TokenSample
 from tinypaged.engine.sampler import seq_seed
-from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
+from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,6 +65,14 @@ def check_stop(
     if len(seq.token_ids) >= max_model_len:
         return _end(seq, state, SequenceStatus.FINISHED_LENGTH)
     return None
+
+
+def metrics_of(req: Request, finished: bool) -> RequestMetrics:
+    """A copy of the request's metrics for an output, its end stamped now if it just finished (whichever way:
+    its last token, an abort, a fault, a refusal)."""
+    if finished and req.metrics.finished_time is None:
+        req.metrics.finished_time = time.monotonic()
+    return dataclasses.replace(req.metrics)
 
 
 class GrammarError(RuntimeError):
@@ -226,18 +237,20 @@ class OutputProcessor:
         )
 
     def output(self, req: Request) -> RequestOutput:
-        """The request as it stands, as vLLM's RequestOutput (output lists copied: the state keeps growing; the
-        prompt's ids are one list for the request's life)."""
+        """The request as it stands, as vLLM's RequestOutput (output lists and metrics copied: the state keeps
+        growing; the prompt's ids are one list for the request's life)."""
         group = req.group
+        finished = group.is_finished()
         return RequestOutput(
             request_id=group.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=req.strategy.outputs(req),
-            finished=group.is_finished(),
+            finished=finished,
             error=req.error,
             error_kind=req.error_kind,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            metrics=metrics_of(req, finished),
         )
 
     def failed(self, req: Request) -> RequestOutput:
@@ -251,4 +264,5 @@ class OutputProcessor:
             finished=True,
             error=req.error,
             error_kind=req.error_kind,
+            metrics=metrics_of(req, True),
         )

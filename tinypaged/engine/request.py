@@ -12,13 +12,14 @@ included) and `BeamSearch` (beam_search.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Sequence_
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from tinypaged.core.sequence import Sequence, SequenceGroup
-from tinypaged.outputs import CompletionOutput, Logprob
+from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer
 
@@ -154,6 +155,7 @@ class Request:
     grammar: Grammar | None = None  # structured outputs: each sequence's matcher starts from it
     error: str | None = None  # why it ended early (RequestOutput.error)
     error_kind: Literal["ignored", "invalid", "internal"] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))  # arrival: now
 
     @property
     def request_id(self) -> str:

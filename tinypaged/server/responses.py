@@ -17,7 +17,7 @@ import msgspec
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
-from tinypaged.server.serving import APIError, internal_error
+from tinypaged.server.serving import APIError, final_only, internal_error
 
 _encoder = msgspec.json.Encoder()
 
@@ -178,12 +178,6 @@ async def collect(outputs: AsyncGenerator[tuple[int, RequestOutput], None], n: i
                 finals[i] = out
     assert all(f is not None for f in finals)
     return finals  # type: ignore[return-value]
-
-
-def final_only(params: SamplingParams) -> bool:
-    """Whether a stream sends each choice only once the request is done: with best_of > n or beam search,
-    which sequences are returned (and in what order) is known only at the end."""
-    return params.use_beam_search or params.num_seqs > params.n
 
 
 def raise_if_failed(out: RequestOutput) -> None:

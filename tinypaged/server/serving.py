@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator
@@ -24,7 +25,7 @@ from tinypaged.engine.client import EngineClient
 from tinypaged.engine.inputs import check_logprob_entries, context_length_error, logprob_entries
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from tinypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tinypaged.server import protocol as p
 from tinypaged.server.metrics import ServerMetrics
 
@@ -91,6 +92,12 @@ class TokenizedPrompt:
 
     text: str | None
     ids: list[int]
+
+
+def final_only(params: SamplingParams) -> bool:
+    """Whether a stream sends each choice only once the request is done: with best_of > n or beam search,
+    which sequences are returned (and in what order) is known only at the end."""
+    return params.use_beam_search or params.num_seqs > params.n
 
 
 class OpenAIServing:
@@ -224,7 +231,7 @@ class OpenAIServing:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 best_of=req.best_of,
                 temperature=req.temperature,
@@ -251,6 +258,11 @@ class OpenAIServing:
             )
         except RequestError as e:
             raise request_error(e) from e
+        # A request read only at its end asks the engine for its final output alone: no RequestOutput, and no
+        # detokenization without stop strings, each step (its TTFT and TPOT come from the output's metrics).
+        if not req.stream or final_only(params):
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        return params
 
     # ---- generation -----------------------------------------------------------------------------------
 
@@ -258,7 +270,12 @@ class OpenAIServing:
         self, gen: AsyncGenerator[RequestOutput, None], request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         """Pass a request's outputs through, observing TTFT, time per output token and E2E latency; a failure
-        inside the engine as a 500 naming the request (the details are in the server's log)."""
+        inside the engine as a 500 naming the request (the details are in the server's log).
+
+        The token times are the engine's (`RequestOutput.metrics`: the steps that gave the request its first
+        and its latest tokens), so a request asking for its final output alone is timed as a streamed one is:
+        TTFT from its arrival here to its first token, then the time per token of each stretch of tokens
+        between the outputs seen (the whole rest of the request, for a final-only one)."""
         start = time.monotonic()
         last, seen = 0.0, 0
         outcome: str | None = "abort"  # what to count if the request ends early: a client gone, a shutdown
@@ -267,12 +284,15 @@ class OpenAIServing:
                 now = time.monotonic()
                 # The request's steps so far: its longest output (with n > 1, output 0 may stop first).
                 n = max((len(o.token_ids) for o in out.outputs), default=0)
-                if n > seen:
+                m = out.metrics
+                if n > seen and m is not None and m.first_token_time is not None:
+                    assert m.last_token_time is not None
                     if seen == 0:
-                        self.metrics.ttft.observe(now - start)
-                    else:
-                        self.metrics.tpot.observe((now - last) / (n - seen))
-                    last, seen = now, n
+                        self.metrics.ttft.observe(max(0.0, m.first_token_time - start))
+                        last, seen = m.first_token_time, 1
+                    if n > seen:
+                        self.metrics.tpot.observe((m.last_token_time - last) / (n - seen))
+                    last, seen = m.last_token_time, n
                 if out.finished:
                     outcome = None
                     self.metrics.e2e.observe(now - start)
