@@ -97,7 +97,7 @@ class Staging:
         self.g_small[4] = torch.arange(self.g_stride)  # every prefix is a permutation of its rows
         self.g_bt = torch.zeros((seqs, self.max_width), dtype=torch.int32, device=device)
         self.g_qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
-        # Mixed-graph buffers: ids, positions, slots; seq lens and query starts (block tables: g_bt's).
+        # Mixed-graph buffers: ids, positions, slots; seq lens, query starts and decode order (block tables: g_bt's).
         self.m_tok = torch.zeros((3, max_graph_tokens), dtype=torch.int32, device=device)
         self.m_seq = torch.zeros((3, seqs + 1), dtype=torch.int32, device=device)
         self.m_seq[2] = torch.arange(seqs + 1)
