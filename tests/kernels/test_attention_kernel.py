@@ -154,3 +154,24 @@ def test_padded_as_a_cuda_graph(q_lens: list[int], ctx_lens: list[int], splits: 
     )  # fmt: skip
     torch.testing.assert_close(out[:n_tok], want, atol=1e-5, rtol=0)
     assert out[n_tok:].isnan().all(), "a padding token's row was written"
+
+
+@pytest.mark.parametrize(
+    ("programs", "max_splits", "want"),
+    [
+        (2048, 64, 1),
+        (528, 64, 1),
+        (1600, 8, 1),
+        (512, 64, 2),
+        (256, 64, 2),
+        (64, 64, 8),
+        (8, 64, 64),
+        (8, 8, 8),
+    ],
+)
+def test_split_choice(programs: int, max_splits: int, want: int) -> None:
+    """Decode splits on an H200 (528 program slots): none from a wave of programs up (the longest-first order
+    balances them), else the most that fit one wave, two at least, within the cap of 4 tiles a split."""
+    from tinypaged.kernels.attention_configs import _choose_num_splits
+
+    assert _choose_num_splits(programs, 528, max_splits) == want
