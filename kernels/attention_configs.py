@@ -63,10 +63,11 @@ def choose_num_splits(
     if not q.is_cuda:
         return 1
     slots = _DECODE_PROGRAMS_PER_SM * _num_sms(q.device)
-    return _choose_num_splits(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
+    return splits_for_programs(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
 
 
-def _choose_num_splits(programs: int, slots: int, max_splits: int) -> int:
+def splits_for_programs(programs: int, slots: int, max_splits: int) -> int:
+    """`choose_num_splits` for `programs` decode programs (sequences x KV heads) on `slots` program slots."""
     # With a wave or more of programs, taking the sequences longest first (kernels/attention.py) balances the
     # ragged contexts of real batches better than splits do: on W1-like contexts at 128-256 sequences one split
     # beat every split count by 8-30% (BENCHMARKS.md). Fewer programs than slots leave SMs idle: split them up

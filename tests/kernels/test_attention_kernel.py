@@ -172,6 +172,6 @@ def test_padded_as_a_cuda_graph(q_lens: list[int], ctx_lens: list[int], splits: 
 def test_split_choice(programs: int, max_splits: int, want: int) -> None:
     """Decode splits on an H200 (528 program slots): none from a wave of programs up (the longest-first order
     balances them), else the most that fit one wave, two at least, within the cap of 4 tiles a split."""
-    from tinypaged.kernels.attention_configs import _choose_num_splits
+    from tinypaged.kernels.attention_configs import splits_for_programs
 
-    assert _choose_num_splits(programs, 528, max_splits) == want
+    assert splits_for_programs(programs, 528, max_splits) == want
