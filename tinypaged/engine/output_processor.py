@@ -3,7 +3,6 @@ logprobs, cumulative logprob, stop reason), stop checks, prompt logprobs, and th
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -72,7 +71,7 @@ def metrics_of(req: Request, finished: bool) -> RequestMetrics:
     its last token, an abort, a fault, a refusal)."""
     if finished and req.metrics.finished_time is None:
         req.metrics.finished_time = time.monotonic()
-    return dataclasses.replace(req.metrics)
+    return req.metrics.copy()
 
 
 class GrammarError(RuntimeError):

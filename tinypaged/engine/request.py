@@ -12,7 +12,6 @@ included) and `BeamSearch` (beam_search.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Sequence_
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -149,13 +148,13 @@ class Request:
     prompt_token_ids: list[int]  # one list for the request's life: every RequestOutput shares it
     params: SamplingParams
     strategy: Strategy
+    metrics: RequestMetrics  # its milestones' times (RequestOutput.metrics), from its arrival on
     states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
     # With params.prompt_logprobs: None for the first prompt token, then one entry per prompt token scored.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     grammar: Grammar | None = None  # structured outputs: each sequence's matcher starts from it
     error: str | None = None  # why it ended early (RequestOutput.error)
     error_kind: Literal["ignored", "invalid", "internal"] | None = None
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))  # arrival: now
 
     @property
     def request_id(self) -> str:

@@ -276,9 +276,10 @@ class Staging:
         o_slot = 2 * o_pos
         o_samp = 3 * o_pos
         o_len = o_samp + _round_up(n_samp, _ALIGN)
-        o_qsl = o_len + _round_up(pad_seq + 1, _ALIGN)
-        o_ord = o_qsl + (o_qsl - o_len)
-        o_bt = o_ord + (o_qsl - o_len)
+        seq_row = _round_up(pad_seq + 1, _ALIGN)  # seq lens, query starts, decode order: one row each
+        o_qsl = o_len + seq_row
+        o_ord = o_qsl + seq_row
+        o_bt = o_ord + seq_row
         end = o_bt + n_seq * width
         h = self.host_np
         h[0:n_tok], h[o_pos : o_pos + n_tok], h[o_slot : o_slot + n_tok] = ids, pos, slots
@@ -304,7 +305,7 @@ class Staging:
         rows: torch.Tensor | slice = slice(0, n_tok) if n_samp == n_tok else d[o_samp : o_samp + n_samp]
         if graph_tokens:
             self.m_tok[:, :pad_tok].copy_(d[: 3 * o_pos].view(3, o_pos)[:, :pad_tok])
-            self.m_seq.copy_(d[o_len : o_len + 3 * (o_qsl - o_len)].view(3, -1)[:, : pad_seq + 1])
+            self.m_seq.copy_(d[o_len : o_len + 3 * seq_row].view(3, seq_row)[:, : pad_seq + 1])
             self.g_bt[:n_seq, :width].copy_(d[o_bt:end].view(n_seq, width))
             self._fill_pending(self.m_tok[0, :pad_tok], o_dst, o_src, k, pending)
             return self._mixed_views(pad_tok, max(lens), rows)
