@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_start
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -15,8 +17,10 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t, c] = silu(x[t, c]) * x[t, I + c] over one tile of columns c of row t, in fp32."""
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -48,5 +52,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             out.stride(0),
             BLOCK=block,
             num_warps=4,
+            **pdl_options(x),
         )
     return out

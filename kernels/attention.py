@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
+from .pdl import pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for the running max: a row or split that sees no key keeps l = 0 without NaNs.
@@ -131,8 +132,10 @@ def _paged_attn_kernel(
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
+    pdl_start(USE_PDL)
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
     # every KV head of their tokens) run side by side.
     kv_head = tl.program_id(0)
@@ -273,8 +276,10 @@ def _reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Combine the split-KV partials of one (decode sequence, query head) into its output row."""
+    pdl_start(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -350,6 +355,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        **pdl_options(q),
     )
     tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
@@ -424,5 +430,6 @@ def paged_attention(
             HEAD_DIM=head_dim,
             SPLITS_POW2=triton.next_power_of_2(splits),
             num_warps=4,
+            **pdl_options(q),
         )
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_start
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -26,8 +28,10 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Copy token t's keys and values `[Hkv, D]` into slot `slot_mapping[t]`, unless that slot is negative."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -69,6 +73,7 @@ def write_kv(
         BLOCK_H=triton.next_power_of_2(n_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
+        **pdl_options(key),
     )
 
 

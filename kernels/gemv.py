@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_start
+
 MAX_ROWS = 4
 
 
@@ -32,6 +34,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for the program's BLOCK_N columns n and every row m < M."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,6 +43,7 @@ def _gemv_kernel(
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    pdl_start(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -95,5 +99,6 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
+        **pdl_options(x),
     )
     return y

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_start
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,8 +24,10 @@ def _rms_norm_kernel(
     stride_ro,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out = (x [+ residual]) * rsqrt(mean((x [+ residual])^2) + eps) * w, in fp32; also stores the sum."""
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -73,6 +77,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **pdl_options(x2),
         )
     if residual is None:
         return out.view(shape)

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, pdl_start
+
 
 @triton.jit
 def _rotate_heads(
@@ -73,8 +75,10 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Rotary embedding of all q and k heads of one token."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     _rotate_heads(
@@ -155,6 +159,7 @@ def rotary_embedding(
             k_out.stride(1),
             cos_sin_cache.stride(0),
             **args,
+            **pdl_options(q),
         )
     return q_out, k_out
 
@@ -189,9 +194,11 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One token: its q heads rotated into q_out; its k heads rotated and its v heads copied into its cache slot
     (none when the slot is negative)."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
@@ -257,5 +264,6 @@ def rotary_write_kv(
             cos_sin_cache.stride(0),
             BLOCK_SIZE=kv_layer.shape[2],
             **args,
+            **pdl_options(q),
         )
     return q_out

@@ -1,13 +1,19 @@
-"""The sampling and bitmask kernels compile for the H200 (sm_90) here, without a GPU: Triton's interpreter, which the
-kernel tests use, accepts code that the compiler rejects (a constexpr assigned in a loop, say)."""
+"""Kernels compile for the H200 (sm_90) here, without a GPU: Triton's interpreter, which the kernel tests use, accepts
+code that the compiler rejects (a constexpr assigned in a loop, say), and never runs the GPU-only paths (the waits of
+programmatic dependent launch)."""
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tinypaged.kernels.bitmask import _apply_bitmask_kernel
+from tinypaged.kernels.pdl import pdl_options
 from tinypaged.kernels.sampling import _sample_kernel
 
 
@@ -56,18 +62,26 @@ def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
         "n_q_heads", "n_k_heads", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
         "stride_qot", "stride_qoh", "stride_cb", "stride_ct", "stride_ch", "stride_c",
     ]  # fmt: skip
-    constexprs = {"BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8}
+    constexprs = {
+        "BLOCK_SIZE": 16,
+        "HALF": 64,
+        "BLOCK_HALF": 64,
+        "BLOCK_HQ": 32,
+        "BLOCK_HK": 8,
+        "USE_PDL": True,
+    }
     signature = pointers | dict.fromkeys(ints, "i64") | dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=_rotary_write_kv_kernel, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]
 
 
 def test_gemv_kernel_compiles_for_hopper() -> None:
     from tinypaged.kernels.gemv import _gemv_kernel, default_config
 
     block_n, block_k, warps = default_config(1, 4096, 14336)
-    constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_PDL": True}
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"}
     signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
     signature |= dict.fromkeys(constexprs, "constexpr")
@@ -76,5 +90,55 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
     src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "cubin" in kernel.asm
+    assert "griddepcontrol.wait" in kernel.asm["ptx"]
     # The weight streams in 16-byte loads (scalar loads would leave the kernel far below the bandwidth).
     assert kernel.asm["ptx"].count("ld.global.v4") >= block_k * block_n * 2 // 16 // (32 * warps)
+
+
+# The kernels a model step launches with programmatic dependent launch (kernels/pdl.py), with constexprs as a
+# decode step of the 8B shape sets them.
+_PDL_KERNELS = {
+    "gemv._gemv_kernel": {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
+    "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "BLOCK": 4096},
+    "activation._silu_and_mul_kernel": {"BLOCK": 1024},
+    "cache._write_kv_kernel": {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128},
+    "rotary._rotary_kernel": {"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
+    "rotary._rotary_write_kv_kernel": {"BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
+    "attention._paged_attn_kernel": {
+        "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
+        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32",
+    },
+    "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
+}  # fmt: skip
+
+
+def _arg_type(name: str) -> str:
+    if name.endswith("_ptr"):
+        if any(s in name for s in ("loc", "lens", "order", "tables", "slot", "pos")):
+            return "*i32"
+        return "*fp32" if name.startswith("part_") or name == "cache_ptr" else "*bf16"
+    return "fp32" if name in ("eps", "qk_scale") else "i32"
+
+
+@pytest.mark.parametrize("name", sorted(_PDL_KERNELS))
+def test_pdl_kernels_wait_before_touching_memory(name: str) -> None:
+    """With USE_PDL a kernel may start while the previous one still runs: its first global load or store must
+    come after `griddepcontrol.wait`. Without USE_PDL neither PDL instruction is in the kernel."""
+    module, fn_name = name.split(".")
+    fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
+    for use_pdl in (False, True):
+        constexprs = _PDL_KERNELS[name] | {"USE_PDL": use_pdl}
+        signature = {a: "constexpr" if a in constexprs else _arg_type(a) for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ("griddepcontrol.launch_dependents" in ptx) == use_pdl
+        if not use_pdl:
+            assert "griddepcontrol.wait" not in ptx
+            continue
+        wait = ptx.index("griddepcontrol.wait")
+        first_access = min(ptx.find(op) % len(ptx) for op in ("ld.global", "st.global"))
+        assert wait < first_access, f"{name} touches memory before griddepcontrol.wait"
+
+
+def test_pdl_off_on_the_cpu() -> None:
+    assert pdl_options(torch.zeros(1)) == {"USE_PDL": False, "launch_pdl": False}
