@@ -1,11 +1,12 @@
 """Check and time every Triton kernel on the GPU in one run, beside torch SDPA and the copy bandwidth.
 
-    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections correctness decode decode_ragged prefill small gemv]
+    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections SECTION ...]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
 rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
-same run, and the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time).
+same run, the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time), and a
+decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline.
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from common import write_json
+from common import MATMUL_TFLOPS, write_json
 from triton.testing import do_bench
 
 import tinypaged.kernels as tk
@@ -39,9 +40,10 @@ RESULTS: dict[str, Any] = {
     "prefill": [],
     "small": [],
     "gemv": [],
+    "matmul": [],
     "sweeps": [],
 }
-SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small", "gemv")
+SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small", "gemv", "matmul")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -585,6 +587,64 @@ def gemv(copy_bw: float, quick: bool) -> None:
             del ws
 
 
+MATMUL_ROWS = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def matmul(copy_bw: float) -> None:
+    """A decode step's linear layers at the 8B shape (32 x qkv, o, gate_up, down, and the LM head) through torch's
+    linear (cuBLAS), at the row counts of W1's decode steps, against each product's roofline: max(weight bytes at
+    the copy bandwidth, FLOPs at the matmul rate). Timed in CUDA graphs over enough weight copies that none is
+    still in the L2."""
+    layers = [s for s in GEMV_SHAPES if "tp2" not in s[0]]
+    weights = {}
+    for name, n, k in layers:
+        copies = min(16, max(2, -(-400_000_000 // (n * k * 2))))
+        weights[name] = [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+    # The same products with the weight stored [K, N] (x @ w), which takes other cuBLAS kernels.
+    kn_ms = {name: {} for name, _, _ in layers}
+    for m in MATMUL_ROWS:
+        step_ms = roof_ms = bytes_ms = flops_ms = 0.0
+        per_layer = {}
+        for name, n, k in layers:
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            ms = graph_ms([lambda w=w, x=x: F.linear(x, w) for w in weights[name]])
+            wts = [w.t().contiguous() for w in weights[name]]
+            kn_ms[name][m] = graph_ms([lambda w=w, x=x: x @ w for w in wts])
+            del wts
+            t_bytes = n * k * 2 / copy_bw * 1e3  # ms
+            t_flops = 2 * m * n * k / (MATMUL_TFLOPS * 1e9)
+            times = 1 if name == "lm_head" else 32
+            step_ms += times * ms
+            roof_ms += times * max(t_bytes, t_flops)
+            bytes_ms += times * t_bytes
+            flops_ms += times * t_flops
+            per_layer[name] = {
+                "ms": ms,
+                "of_roofline": max(t_bytes, t_flops) / ms,
+                "ms_weight_kn": kn_ms[name][m],
+                "of_roofline_weight_kn": max(t_bytes, t_flops) / kn_ms[name][m],
+            }
+        row = {
+            "m": m,
+            "step_ms": step_ms,
+            "roofline_ms": roof_ms,
+            "bytes_ms": bytes_ms,
+            "flops_ms": flops_ms,
+            "of_roofline": roof_ms / step_ms,
+            "layers": per_layer,
+        }
+        RESULTS["matmul"].append(row)
+        print(
+            f"matmul step m={m}: {step_ms:.2f} ms, roofline {roof_ms:.2f} ({100 * row['of_roofline']:.0f}%); "
+            + ", ".join(
+                f"{k} {100 * v['of_roofline']:.0f}% ([K, N]: {100 * v['of_roofline_weight_kn']:.0f}%)"
+                for k, v in per_layer.items()
+            ),
+            flush=True,
+        )
+    del weights
+
+
 def table() -> str:
     """The summary table, measured figures only."""
     lines = [
@@ -655,6 +715,22 @@ def table() -> str:
                 f"{r['TBps_torch']:.2f} | {r['ms_ours'] * 1e3:.1f} | {r['TBps_ours']:.2f} | "
                 f"{100 * r['frac_copy_ours']:.0f} | {r['TBps_best']:.2f} {r['best_cfg']} |"
             )
+    if RESULTS["matmul"]:
+        names = list(RESULTS["matmul"][0]["layers"])
+        lines += [
+            "",
+            "| decode step's linears, 8B (torch, graphs) | ms | bytes-bound ms | FLOP-bound ms | of roofline | "
+            + " | ".join(names)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * len(names),
+        ]
+        for r in RESULTS["matmul"]:
+            lines.append(
+                f"| {r['m']} rows | {r['step_ms']:.2f} | {r['bytes_ms']:.2f} | {r['flops_ms']:.2f} | "
+                f"{100 * r['of_roofline']:.0f}% | "
+                + " | ".join(f"{100 * r['layers'][k]['of_roofline']:.0f}%" for k in names)
+                + " |"
+            )
     if "decode_host_us_per_call" in RESULTS:
         lines.append(
             f"\nhost time per decode attention call (64 seqs, eager): "
@@ -686,6 +762,8 @@ def main() -> None:
         small(copy_bw)
     if "gemv" in run:
         gemv(copy_bw, args.quick)
+    if "matmul" in run:
+        matmul(copy_bw)
     text = table()
     RESULTS["table"] = text
     write_json(Path(args.out) / "kernels-h200.json", RESULTS)
