@@ -410,8 +410,11 @@ def swap_blocks(
         return
     src = torch.tensor([s for s, _ in block_mapping], device=src_cache.device)
     dst = torch.tensor([d for _, d in block_mapping], device=dst_cache.device)
-    # One gather on the source device, one transfer, one scatter on the destination device.
-    dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device, non_blocking=True)
+    # One gather on the source device, one transfer, one scatter on the destination device. A copy to the host
+    # waits for the device: the host scatters it at once, and a non-blocking copy (into pinned memory) may still
+    # be on its way then. Towards the device the scatter is queued behind the copy on the same stream.
+    to_host = dst_cache.device.type == "cpu"
+    dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device, non_blocking=not to_host)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
