@@ -51,6 +51,7 @@ def run(
 
 
 def main() -> None:
+    """Run every dtype and kind of preemption, print the table, write the JSON; fail if float32 greedy moved."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--requests", type=int, default=48)
