@@ -543,14 +543,20 @@ GEMV_CONFIGS = [
 ]
 
 
+def weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    """Copies of a random weight [n, k], enough (400 MB, 2-16 of them) that a graph cycling through them finds none
+    still in the L2."""
+    copies = min(16, max(2, -(-400_000_000 // (n * k * 2))))
+    return [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+
+
 def gemv(copy_bw: float, quick: bool) -> None:
     """The Triton GEMV against torch's linear (cuBLAS) at 1, 2 and 4 rows: weight bytes over time in CUDA graphs,
     the graph cycling through enough copies of the weight that none is still in the L2 when read again."""
     for m in (1, 2, 4):
         for name, n, k in GEMV_SHAPES:
             nbytes = n * k * 2
-            copies = min(16, max(2, -(-400_000_000 // nbytes)))
-            ws = [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+            ws = weight_copies(n, k)
             x = torch.randn(m, k, device=DEV, dtype=DT)
             want = torch.nn.functional.linear(x.float(), ws[0].float())
             check(f"gemv {name} m={m} vs fp32", rel_err(tk.gemv(x, ws[0]), want), 1e-2)
@@ -596,10 +602,7 @@ def matmul(copy_bw: float) -> None:
     the copy bandwidth, FLOPs at the matmul rate). Timed in CUDA graphs over enough weight copies that none is
     still in the L2."""
     layers = [s for s in GEMV_SHAPES if "tp2" not in s[0]]
-    weights = {}
-    for name, n, k in layers:
-        copies = min(16, max(2, -(-400_000_000 // (n * k * 2))))
-        weights[name] = [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+    weights = {name: weight_copies(n, k) for name, n, k in layers}
     # The same products with the weight stored [K, N] (x @ w), which takes other cuBLAS kernels.
     kn_ms = {name: {} for name, _, _ in layers}
     for m in MATMUL_ROWS:
@@ -613,16 +616,17 @@ def matmul(copy_bw: float) -> None:
             del wts
             t_bytes = n * k * 2 / copy_bw * 1e3  # ms
             t_flops = 2 * m * n * k / (MATMUL_TFLOPS * 1e9)
+            roof = max(t_bytes, t_flops)
             times = 1 if name == "lm_head" else 32
             step_ms += times * ms
-            roof_ms += times * max(t_bytes, t_flops)
+            roof_ms += times * roof
             bytes_ms += times * t_bytes
             flops_ms += times * t_flops
             per_layer[name] = {
                 "ms": ms,
-                "of_roofline": max(t_bytes, t_flops) / ms,
+                "of_roofline": roof / ms,
                 "ms_weight_kn": kn_ms[name][m],
-                "of_roofline_weight_kn": max(t_bytes, t_flops) / kn_ms[name][m],
+                "of_roofline_weight_kn": roof / kn_ms[name][m],
             }
         row = {
             "m": m,

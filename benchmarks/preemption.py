@@ -15,13 +15,12 @@ rounding-level differences move the draw.
 from __future__ import annotations
 
 import argparse
-import gc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from common import device_name, write_json
+from common import device_name, free_llm, greedy, random_prompt, write_json
 
 from tinypaged import LLM, SamplingParams
 
@@ -44,10 +43,7 @@ def run(
         out["preemptions"] = llm.engine.stats().num_preemptions
         return out
     finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_llm(llm)
 
 
 def main() -> None:
@@ -61,12 +57,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    prompts = [
-        {"prompt_token_ids": rng.integers(0, 32000, size=int(rng.integers(20, 300))).tolist()}
-        for _ in range(args.requests)
-    ]
+    prompts = [random_prompt(rng, int(rng.integers(20, 300)), 32000) for _ in range(args.requests)]
     params = {
-        "greedy": SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+        "greedy": greedy(args.max_tokens),
         "sampled": [
             SamplingParams(
                 temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=args.max_tokens, ignore_eos=True
