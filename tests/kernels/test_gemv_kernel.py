@@ -67,3 +67,19 @@ def test_linear_facade_takes_one_row_only(monkeypatch: pytest.MonkeyPatch) -> No
         x, w, b = operands(m, 24, 40, torch.float32, bias=True, seed=m)
         check(ops.linear(x, w, b), x, w, b)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("env, want", [(None, ["cublaslt"]), ("cublaslt", ["cublaslt"]), ("cublas", [])])
+def test_cublaslt_preferred_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, want: list[str]
+) -> None:
+    """ops.prefer_cublaslt (called by a CUDA model runner) switches torch's matmuls to cuBLASLt;
+    TINYPAGED_BLAS=cublas leaves torch's default alone."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", calls.append)
+    if env is None:
+        monkeypatch.delenv("TINYPAGED_BLAS", raising=False)
+    else:
+        monkeypatch.setenv("TINYPAGED_BLAS", env)
+    ops.prefer_cublaslt()
+    assert calls == want

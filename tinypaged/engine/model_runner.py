@@ -132,6 +132,8 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)
+        if self.device.type == "cuda":
+            ops.prefer_cublaslt()
         t0 = time.perf_counter()
         self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len, self.tp)
         self.stats.load_s = time.perf_counter() - t0
