@@ -8,9 +8,9 @@ against the targets is printed last.
 
 W1's shape (256 requests, prompts 64-1024, outputs 32-512 random token ids, EOS ignored) with seed 2. The
 sampled runs give each request its own seed. Offline and servers use --max-model-len 2048 and the defaults
-otherwise, but for the token budget a step: the offline runs at `LLM`'s default (2048) and at each other of
+otherwise, but for the token budget a step: the offline runs at `LLM`'s default (8192) and at each other of
 --budgets (greedy), the servers at --server-budgets (`tinypaged serve`'s default, 512). HTTP's own cost is the
-burst against offline at the server's budget; the budget's cost is offline at 512 against 2048.
+burst against offline at the server's budget; the budget's cost is offline at 512 against 8192.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from common import section as run_section
 from throughput import roofline
 
 from tinypaged import LLM, SamplingParams, ops
-from tinypaged.config import SERVE_DEFAULTS
+from tinypaged.config import SERVE_DEFAULTS, EngineConfig
 from tinypaged.server.local import LocalServer
 
 SAMPLED = {
@@ -471,7 +471,7 @@ def main() -> None:
         "--budgets",
         type=int,
         nargs="+",
-        default=[2048, 512],
+        default=[EngineConfig.max_num_batched_tokens, 512],
         help="max_num_batched_tokens: the first is the offline runs' (LLM's default), the others are run offline "
         "too, greedy; the servers run at --server-budgets",
     )

@@ -128,7 +128,7 @@ def fault(llm: LLM, how: str) -> dict[str, Any]:
     engine, executor = llm.engine, llm.engine.executor
     for i in range(96):
         engine.add_request(f"fault-{i}", {"prompt_token_ids": list(range(100 + i, 356 + i))}, greedy(100000))
-    for _ in range(40):  # the prompts take 12 steps at 2048 tokens a step
+    for _ in range(40):  # the prompts take 3 steps at W1's 8192 tokens a step
         engine.step()
     t0 = time.perf_counter()
     os.kill(executor.worker_pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)

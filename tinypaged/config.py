@@ -160,7 +160,7 @@ class EngineConfig:
     )
     max_num_seqs: int = _arg(256, "most sequences in one step")
     max_num_batched_tokens: int = _arg(
-        2048, "most tokens in one step (longer prompts are prefilled in chunks); `tinypaged serve`: 512"
+        8192, "most tokens in one step (longer prompts are prefilled in chunks); `tinypaged serve`: 512"
     )
     enable_chunked_prefill: bool = _arg(
         True, "split prompts longer than the step's token budget over several steps (off: refuse them)"
