@@ -308,7 +308,7 @@ def rms_norm(
 
 def prefer_cublaslt() -> None:
     """Route torch's CUDA matmuls through cuBLASLt rather than cuBLAS (a process-wide setting of torch's): on the
-    H200 W1 ran 0.6-0.9% faster in each of five alternated pairs (BENCHMARKS.md, "cuBLASLt for the matmuls").
+    H200 W1 ran 0.3-1.0% faster in each of seven alternated pairs (BENCHMARKS.md, "cuBLASLt for the matmuls").
     TINYPAGED_BLAS=cublas keeps torch's default. Called by the model runner before it captures any graph."""
     if os.environ.get("TINYPAGED_BLAS", "cublaslt") == "cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -316,7 +316,8 @@ def prefer_cublaslt() -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight^T + bias` for x `[T, K]`: a one-row step (batch-1 decode: a matrix-vector product, bound by
-    the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLAS)."""
+    the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLASLt on a GPU, see
+    `prefer_cublaslt`)."""
     if 0 < x.shape[0] <= _GEMV_ROWS and uses_triton(x):
         from tinypaged.kernels import gemv
 
