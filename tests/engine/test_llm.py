@@ -60,6 +60,18 @@ def test_greedy_continuations_match_gguf_oracle(oracle_model, llm: LLM) -> None:
         assert out.outputs[0].finish_reason == "length"
 
 
+def test_warm_logits_runs_every_row_count_a_step_samples(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU runner runs the LM head at each row count from 1 to max_num_seqs before any step (a first matmul
+    of a new shape loads its kernel and waits for the device); here it is called on the CPU runner."""
+    runner = llm.engine.runner
+    rows: list[int] = []
+    real = runner.model.compute_logits
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
+    runner._warm_logits()
+    assert rows == list(range(1, llm.config.max_num_seqs + 1))
+    assert runner.stats.warm_logits_s > 0
+
+
 def test_batched_equals_alone(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12)
     together = llm.generate(PROMPTS, params)

@@ -107,6 +107,7 @@ class RunnerStats:
     graph_pool_bytes: int = 0
     graph_batch_sizes: list[int] = field(default_factory=list)
     graph_token_sizes: list[int] = field(default_factory=list)
+    warm_logits_s: float = 0.0
 
 
 class ModelRunner:
@@ -171,6 +172,8 @@ class ModelRunner:
         self._graph_sizes: list[int] = []
         if self.use_cuda_graphs:
             self._capture_graphs()
+        if self.device.type == "cuda":
+            self._warm_logits()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), swap: %d blocks; CUDA graphs for decode batches %s "
             "and steps of %s tokens",
@@ -247,6 +250,27 @@ class ModelRunner:
         hidden = self.model(ids, torch.tensor(positions, dtype=torch.int32, device=dev), kv, meta)
         rows = torch.tensor(starts[1:] - 1, device=dev)
         self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def _warm_logits(self) -> None:
+        """Run the LM head once for every row count a step can sample (1 to max_num_seqs), before any step (on a
+        GPU only: the CPU has nothing to load).
+
+        The sampled rows' logits are computed outside the graphs, at a row count that changes from step to
+        step. The first matmul of a new shape can load a BLAS kernel, and that load waits for all the work
+        queued on the device: the host then stalls for a whole step instead of queuing the next one. In W1's
+        first run this cost ~2% (BENCHMARKS.md, "The LM head's first shapes")."""
+        t0 = time.perf_counter()
+        hidden = torch.zeros(
+            (self.config.max_num_seqs, self.config.model_config.hidden_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for n in range(1, hidden.shape[0] + 1):
+            self.model.compute_logits(hidden[:n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.warm_logits_s = time.perf_counter() - t0
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------------
 
