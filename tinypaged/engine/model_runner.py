@@ -259,7 +259,7 @@ class ModelRunner:
         The sampled rows' logits are computed outside the graphs, at a row count that changes from step to
         step. The first matmul of a new shape can load a BLAS kernel, and that load waits for all the work
         queued on the device: the host then stalls for a whole step instead of queuing the next one. In W1's
-        first run this cost ~2% (BENCHMARKS.md, "The LM head's first shapes")."""
+        first run this cost 1.2-1.3% (BENCHMARKS.md, "The LM head's first shapes")."""
         t0 = time.perf_counter()
         hidden = torch.zeros(
             (self.config.max_num_seqs, self.config.model_config.hidden_size),
