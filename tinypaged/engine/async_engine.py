@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -22,6 +21,7 @@ from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
+from tinypaged.engine.streams import Streams
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -31,40 +31,12 @@ __all__ = ["AsyncEngine"]
 
 logger = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException
 # ("add", EngineRequest), ("abort", request_id) or ("snapshot", the future to set), applied in order between steps.
 _Op = tuple[str, EngineRequest | str | asyncio.Future[EngineSnapshot]]
 
 
 class _GroupFailed(EngineDeadError):
     """The tensor-parallel group failed while a step was still waiting on it."""
-
-
-class _Latest:
-    """A request's stream slot: the newest cumulative output (or the error that ended it) not yet read.
-
-    Outputs are cumulative, so a newer one replaces an unread older one: a client slower than the engine
-    gets one chunk carrying several tokens (as vLLM merges a lagging stream's outputs), and a stalled client
-    holds one snapshot, not one per step.
-    """
-
-    def __init__(self) -> None:
-        self._item: _Item | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: _Item) -> None:
-        """Offer the newest output or an error; an unread finished output or error is never replaced."""
-        if self._item is None or (isinstance(self._item, RequestOutput) and not self._item.finished):
-            self._item = item
-            self._ready.set()
-
-    async def get(self) -> _Item:
-        """Wait for, and take, the newest item."""
-        await self._ready.wait()
-        self._ready.clear()
-        item, self._item = self._item, None
-        assert item is not None
-        return item
 
 
 class AsyncEngine:
@@ -77,7 +49,7 @@ class AsyncEngine:
         # owner's to shut down.
         self._owns_engine = engine is None
         self.engine = engine if engine is not None else LLMEngine(config)
-        self._streams: dict[str, _Latest] = {}
+        self._streams = Streams(lambda request_id: self._submit(("abort", request_id)))
         self._ops: list[_Op] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -182,7 +154,7 @@ class AsyncEngine:
             assert self._wake is not None
             self._wake.set()
             await self._task
-        self._fail(list(self._streams), EngineError("the engine was shut down"))
+        self._streams.fail(self._streams.ids(), EngineError("the engine was shut down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self._owns_engine:
@@ -211,43 +183,11 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         request = self.engine.process_inputs(request_id, prompt, params)
         self._start()
-        slot = _Latest()
-        self._streams[request_id] = slot
+        stream = self._streams.open(request_id)
         self._pending_requests += 1
         self._pending_seqs += params.num_seqs
         self._submit(("add", request))
-        stream = self._stream(request_id, slot)
-        # An async generator dropped before it ran never runs its `finally`: abort it when it is collected.
-        weakref.finalize(stream, self._abandoned, request_id, slot)
         return stream
-
-    async def _stream(self, request_id: str, slot: _Latest) -> AsyncGenerator[RequestOutput, None]:
-        finished = False
-        try:
-            while True:
-                item = await slot.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._end_stream(request_id, slot)
-
-    def _end_stream(self, request_id: str, slot: _Latest) -> None:
-        """A reader gone before its request finished: forget its slot, abort the request."""
-        if self._streams.get(request_id) is slot:
-            del self._streams[request_id]
-            self._submit(("abort", request_id))
-
-    def _abandoned(self, request_id: str, slot: _Latest) -> None:
-        # Called by the garbage collector, possibly on another thread: hand the work to the loop.
-        loop = self._loop
-        if loop is not None and not loop.is_closed() and self._streams.get(request_id) is slot:
-            loop.call_soon_threadsafe(self._end_stream, request_id, slot)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar (structured outputs) in the engine's grammar pool, off the event loop,
@@ -300,8 +240,8 @@ class AsyncEngine:
                     steps.result()  # each step's outputs were handed out as it completed (_deliver)
                 except StepError as e:
                     logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
-                    self._fail(e.request_ids, EngineError(str(e)))
-                    self._dispatch(e.outputs)
+                    self._streams.fail(e.request_ids, EngineError(str(e)))
+                    self._streams.dispatch(e.outputs)
         except BaseException as e:
             # Scheduler state is unknown after an error outside a step's model work: fail everything. A failed
             # tensor-parallel group says what failed (a worker's rank and exit); anything else is logged only.
@@ -316,7 +256,7 @@ class AsyncEngine:
                     engine.abort_all()
                 except Exception:  # noqa: BLE001 - the streams are failed below either way
                     logger.exception("aborting the requests of a dead engine loop")
-            self._fail(list(self._streams), EngineDeadError(self._dead))
+            self._streams.fail(self._streams.ids(), EngineDeadError(self._dead))
             if not isinstance(e, Exception):
                 raise
 
@@ -331,7 +271,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._deliver, result)
 
     def _deliver(self, result: StepResult) -> None:
-        self._dispatch(result.outputs)
+        self._streams.dispatch(result.outputs)
         for listener in self._step_listeners:
             listener(result.stats)
 
@@ -357,24 +297,9 @@ class AsyncEngine:
                 try:
                     self.engine.add(arg)
                 except RequestError as e:
-                    self._fail([arg.request_id], e)
+                    self._streams.fail([arg.request_id], e)
             else:
                 assert kind == "abort"
                 out = self.engine.abort_request(arg)
                 if out is not None:
-                    self._dispatch([out])
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            slot = self._streams.get(out.request_id)
-            if slot is None:
-                continue  # its client is gone; the abort is queued
-            slot.put(out)
-            if out.finished:
-                del self._streams[out.request_id]
-
-    def _fail(self, request_ids: list[str], error: BaseException) -> None:
-        for rid in request_ids:
-            slot = self._streams.pop(rid, None)
-            if slot is not None:
-                slot.put(error)
+                    self._streams.dispatch([out])
