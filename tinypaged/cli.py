@@ -43,6 +43,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
 
 def _serve(args: argparse.Namespace) -> int:
     from tinypaged.engine.async_engine import AsyncEngine
+    from tinypaged.engine.process_engine import ProcessEngine
     from tinypaged.server.app import ServerConfig, serve
 
     engine_config = EngineConfig(**_engine_args(args))
@@ -56,7 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         idle_timeout=args.idle_timeout,
     )
-    return serve(lambda: AsyncEngine(engine_config), server_config)
+    engine = ProcessEngine if args.engine_process else AsyncEngine
+    return serve(lambda: engine(engine_config), server_config)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -139,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=75.0,
         help="seconds a connection may take to send a request's headers (or idle between requests) before it is "
         "closed, and a request's body to arrive before 408",
+    )
+    srv.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in a process of its own, so that the HTTP work does not share the steps' "
+        "interpreter lock (--no-engine-process: in the server's process)",
     )
     srv.set_defaults(func=_serve)
 

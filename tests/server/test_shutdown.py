@@ -1,10 +1,12 @@
 """`tinypaged serve` as a process: SIGTERM stops accepting, lets in-flight requests finish within the
-shutdown timeout, aborts the ones still running at its end, and exits 0."""
+shutdown timeout, aborts the ones still running at its end, and exits 0, its engine-core process with it; a
+core that dies makes every request fail with a 503 at once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -102,3 +104,50 @@ def test_sigterm_drains_then_exits_zero(serve_process) -> None:
     assert proc.wait(30) == 0
     output = proc.stdout.read()
     assert "Traceback" not in output, output
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The child processes of `pid`: (pid, command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def test_a_dead_engine_core_answers_503_and_the_server_still_exits_cleanly(serve_process) -> None:
+    proc, url = serve_process
+    cores = [pid for pid, cmd in _children(proc.pid) if "spawn_main" in cmd]
+    assert len(cores) == 1, _children(proc.pid)
+
+    async def scenario() -> tuple:
+        started = asyncio.Event()
+        stream = asyncio.create_task(_stream(url, 450, started))
+        await asyncio.wait_for(started.wait(), 60)
+        t0 = time.monotonic()
+        os.kill(cores[0], signal.SIGKILL)
+        streamed = await stream
+        took = time.monotonic() - t0
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                health = r.status
+            body = {"prompt": "Hello", "max_tokens": 4}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                refused = r.status, await r.json()
+        return streamed, took, health, refused
+
+    (chunks, done), took, health, (status, body) = asyncio.run(scenario())
+    # The stream ends with an error event (then [DONE]), within seconds of the core's death.
+    assert done and "engine process exited" in chunks[-1]["error"]["message"] and took < 10
+    assert health == 503
+    assert status == 503 and "engine process exited" in body["error"]["message"], body
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not _children(proc.pid)

@@ -41,7 +41,7 @@ def check_logprob_entries(entries: int) -> None:
 class InputProcessor:
     """Turns (request id, prompt, params) into a checked EngineRequest."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, grammars: GrammarCompiler) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, grammars: GrammarCompiler | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.grammars = grammars
@@ -49,7 +49,8 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """The checked request; RequestError naming the parameter if it cannot run. A grammar (structured
-        outputs) is handed to the compile pool, not waited for: the request carries the future."""
+        outputs) is handed to the compile pool, not waited for: the request carries the future (without a pool,
+        none: the engine core's process compiles it)."""
         cfg, vocab = self.config, self.vocab_size
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -69,7 +70,7 @@ class InputProcessor:
             raise context_length_error(cfg.max_model_len, len(ids))
         check_logprob_entries(logprob_entries(params, len(ids), cfg.max_model_len))
         spec = params.structured_outputs
-        grammar = self.grammars.submit(spec) if spec is not None else None
+        grammar = self.grammars.submit(spec) if spec is not None and self.grammars is not None else None
         return EngineRequest(request_id, text, ids, params, grammar)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

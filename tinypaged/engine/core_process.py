@@ -1,0 +1,211 @@
+"""The engine core in a process of its own (vLLM v1's EngineCore): `run_core` is that process's main.
+
+Its main thread owns the LLMEngine and runs steps back to back while there is work; between two steps it
+applies what the server sent (requests, aborts, queries), and after each step it sends the step's outputs as
+one message (wire.py). The HTTP work of hundreds of streams then runs in the server's process, beside this
+one, instead of sharing its interpreter lock with the steps. `ProcessEngine` (process_engine.py) is the other
+end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from tinypaged.config import EngineConfig
+from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.queued_step import StepError
+from tinypaged.engine.request import EngineRequest
+from tinypaged.engine.wire import Channel, Dead, DeltaEncoder, Failed, Outputs, Ready, Reply, encode
+from tinypaged.errors import EngineDeadError, RequestError
+from tinypaged.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tinypaged.engine.stats import StepStats
+
+logger = logging.getLogger(__name__)
+
+_EXIT_GRACE_S = 60.0  # seconds to stop in once the server's end of the pipe is closed
+
+
+class _Inbox:
+    """What the server sent, in order, until the main thread takes it between two steps."""
+
+    def __init__(self) -> None:
+        self._ops: deque[tuple[Any, ...]] = deque()
+        self._ready = threading.Event()
+
+    def put(self, data: bytes) -> None:
+        self._ops.append(pickle.loads(data))
+        self._ready.set()
+
+    def close(self) -> None:
+        self._ops.append(("stop",))  # the server's end is gone: stop as if told to
+        self._ready.set()
+
+    def take(self, block: bool) -> list[tuple[Any, ...]]:
+        """Everything queued; with `block`, wait for something first."""
+        if block:
+            self._ready.wait()
+        self._ready.clear()
+        ops = []
+        while self._ops:
+            ops.append(self._ops.popleft())
+        return ops
+
+
+def run_core(config: EngineConfig, ops: Connection, results: Connection, log_level: int) -> None:
+    """The engine-core process: build the engine, serve the server's requests until told to stop (or until the
+    server's end of the pipe closes), shut the engine down. Exits non-zero if the engine failed."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(message)s")
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the server drains its requests
+    # and then stops this process through the pipe (or its end closes, if it dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    inbox = _Inbox()
+
+    def server_gone() -> None:
+        inbox.close()
+        # A step stuck on a lost tensor-parallel rank would keep this process, and its GPU, forever.
+        timer = threading.Timer(_EXIT_GRACE_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+
+    channel = Channel(ops, results, inbox.put, server_gone, "tinypaged-core")
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - the server says why it could not start
+        channel.send(encode(Dead(str(e) or type(e).__name__, _pickled(e))))
+        channel.close()
+        os._exit(1)
+
+    def group_failed(why: str) -> None:  # from the executor's monitor thread; a step may be stuck on it
+        channel.send(encode(Dead(f"the engine has stopped: {why}")))
+
+    engine.executor.on_failure(group_failed)
+    channel.send(encode(Ready(engine.stats())))
+    code = _Core(engine, channel).serve(inbox)
+    try:
+        engine.shutdown()
+    finally:
+        channel.close()
+        os._exit(code)
+
+
+def _pickled(e: BaseException) -> bytes:
+    try:
+        return pickle.dumps(e)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle goes by its message
+        return b""
+
+
+class _Core:
+    """The main thread's loop over one engine."""
+
+    def __init__(self, engine: LLMEngine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.deltas = DeltaEncoder()
+        self.applied = 0  # requests added so far
+
+    def serve(self, inbox: _Inbox) -> int:
+        """Apply what arrives and step while there is work; 0 once told to stop, 1 if the engine died."""
+        engine = self.engine
+        try:
+            while True:
+                ops = inbox.take(block=not engine.has_unfinished_requests())
+                if ops and not self._apply(ops):
+                    return 0
+                if engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:
+            # The scheduler's state is unknown after an error outside a step's model work: stop serving.
+            if isinstance(e, EngineDeadError):
+                message = f"the engine has stopped: {e}"
+                logger.error("engine core stopped: %s", e)
+            else:
+                message = "the engine loop stopped (an internal error, logged)"
+                logger.exception("engine core died")
+            self.channel.send(encode(Dead(message)))
+            return 1
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            result = engine.step()
+        except StepError as e:
+            logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
+            self.channel.send(encode(Failed(e.request_ids, str(e), refused=False)))
+            self._send(e.outputs)
+            return
+        self._send(result.outputs, result.stats)
+
+    def _send(self, outputs: list[RequestOutput], step: StepStats | None = None) -> None:
+        encode_delta = self.deltas.encode
+        deltas = [encode_delta(out) for out in outputs]
+        self.channel.send(encode(Outputs(self.applied, deltas, self.engine.stats(), step)))
+
+    def _apply(self, ops: list[tuple[Any, ...]]) -> bool:
+        """Apply requests, aborts and queries in order; False on a stop."""
+        engine, outputs = self.engine, []
+        for op in ops:
+            kind = op[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                _, request_id, prompt, ids, params = op
+                self.applied += 1
+                spec = params.structured_outputs
+                grammar = engine.grammars.submit(spec) if spec is not None else None
+                try:
+                    engine.add(EngineRequest(request_id, prompt, ids, params, grammar))
+                except RequestError as e:
+                    self.channel.send(encode(Failed([request_id], str(e), True, e.param, e.code)))
+                    continue
+                self.deltas.add(request_id, whole=params.use_beam_search or params.num_seqs > params.n)
+            elif kind == "abort":
+                out = engine.abort_request(op[1])
+                if out is not None:
+                    outputs.append(out)
+            else:
+                self._query(kind, op[1], *op[2:])
+        self._send(outputs)
+        return True
+
+    def _query(self, kind: str, token: int, *args: Any) -> None:
+        """Answer a query; a grammar compile answers when it is done (the compile pool's thread sends it)."""
+        send = self.channel.send
+        if kind == "compile":
+            future = self.engine.grammars.submit(args[0])
+
+            def compiled(f: Any) -> None:
+                send(encode(_reply(token, f.exception)))
+
+            future.add_done_callback(compiled)
+            return
+        if kind == "snapshot":
+            send(encode(_reply(token, lambda: pickle.dumps(self.engine.snapshot()))))
+        elif kind == "integrity":
+            send(encode(_reply(token, lambda: self.engine.check_integrity())))
+        else:
+            raise ValueError(f"unknown operation {kind!r}")
+
+
+def _reply(token: int, answer: Any) -> Reply:
+    """Reply with what `answer()` returns (bytes), or the error it raises; an exception it returns is an error
+    too (a future's `exception`)."""
+    try:
+        result = answer()
+    except BaseException as e:  # noqa: BLE001 - the query's asker gets the error
+        result = e
+    if isinstance(result, RequestError):
+        return Reply(token, error=str(result), refused=True, param=result.param, code=result.code)
+    if isinstance(result, BaseException):
+        return Reply(token, error=str(result) or type(result).__name__)
+    return Reply(token, result=result if isinstance(result, bytes) else b"")
