@@ -237,11 +237,18 @@ async def http_run(url: str, work: Work, rate: float | None, seed: int = 0) -> d
 
 
 def serve_and_measure(
-    model: str, works: tuple[Work, Work], rate: float, max_model_len: int, budget: int
+    model: str,
+    works: tuple[Work, Work],
+    rate: float,
+    max_model_len: int,
+    budget: int,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Start `tinypaged serve` with this token budget per step, run the burst (of `works[0]`) and the Poisson
-    run (of `works[1]`: other prompts, so that the prefix cache holds none of them); stop it."""
+    """Start `tinypaged serve` with this token budget per step (and the `extra` flags), run the burst (of
+    `works[0]`) and the Poisson run (of `works[1]`: other prompts, so that the prefix cache holds none of them);
+    stop it."""
     flags = ["--model", model, "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(budget)]
+    flags += extra
     t0 = time.perf_counter()
     with LocalServer(flags, start_timeout=600) as server:
         out: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
@@ -380,6 +387,15 @@ def table(res: dict[str, Any]) -> str:
             "-",
             None,
         )
+        inproc = (res.get("server_in_process") or {}).get("burst")
+        if inproc:
+            w = inproc["output_tokens_per_s"]
+            row(
+                "  the same, the engine in the server's process (--no-engine-process)",
+                f"{w:.0f} tok/s = {w / same:.1%} of offline; ITL p99 {inproc['itl']['p99_ms']:.1f} ms",
+                "-",
+                None,
+            )
         eng, g = burst.get("engine"), res["by_budget"].get(budget, {}).get("offline_greedy") or off["greedy"]
         if eng and "step_s_total" in g:
             row(
@@ -494,6 +510,12 @@ def main() -> None:
         action="store_true",
         help="at each budget after the first, W1 offline with steps that hold prefill chunks run eagerly too",
     )
+    ap.add_argument(
+        "--in-process-server",
+        action="store_true",
+        help="also serve at the first server budget with the engine in the server's process "
+        "(--no-engine-process), beside the engine-core process",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving-speed-h200.json"))
     args = ap.parse_args()
 
@@ -559,6 +581,14 @@ def main() -> None:
             )
             res["by_budget"][budget].update(res.pop("server_budget"))
         res["server"] = res["by_budget"][args.server_budgets[0]] | {"budget": args.server_budgets[0]}
+        if args.in_process_server:
+            budget = args.server_budgets[0]
+            section(
+                "server_in_process",
+                lambda: serve_and_measure(
+                    args.model, works, args.rate, args.max_model_len, budget, ("--no-engine-process",)
+                ),
+            )
     if "multi_turn" not in args.skip:
         section("multi_turn", lambda: multi_turn_on_and_off(args.model, args.server_budgets[0]))
     res["table"] = table(res)
