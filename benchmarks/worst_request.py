@@ -4,10 +4,10 @@ docs/limits.md), one at a time, and /health's latency meanwhile.
     .venv/bin/python benchmarks/worst_request.py [--model DIR] [--only NAME ...]
 
 It starts `tinypaged serve` on the default model (CPU) as a subprocess (`tinypaged.server.local`), warms it, and
-for each request resets the process's peak resident set (`echo 5 > /proc/PID/clear_refs`), sends the request,
-and reads `VmHWM` (the peak since the reset) and `VmRSS` from /proc/PID/status: the request's peak is VmHWM
-minus the RSS before it, and RSS after minus before is what it left behind. A thread polls /health every 20 ms
-throughout.
+for each request resets the peak resident set (`echo 5 > /proc/PID/clear_refs`) of the server's process and of
+its engine-core process, sends the request, and reads each one's `VmHWM` (the peak since the reset) and `VmRSS`
+from /proc/PID/status: a process's peak is its VmHWM minus its RSS before, and RSS after minus before is what it
+left behind. A thread polls /health every 20 ms throughout.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from common import write_json
 
 from tinypaged import limits as L
-from tinypaged.server.local import LocalServer
+from tinypaged.server.local import LocalServer, engine_core_pid
 
 MAX_MODEL_LEN = 8192  # the default model's context
 VOCAB = 49152
@@ -195,8 +195,11 @@ def main() -> None:
         port = int(local.url.rsplit(":", 1)[1])
         warm = {"prompt": "Hello", "max_tokens": 8, "logprobs": 5, "n": 2}
         post(port, "/v1/completions", json.dumps(warm).encode())
-        base = mib(server.pid)
-        print(f"server pid {server.pid}, warm: RSS {base['VmRSS']:.0f} MiB, HWM {base['VmHWM']:.0f} MiB")
+        core = engine_core_pid(server.pid)
+        pids = {"server": server.pid} | ({"core": core} if core is not None else {})
+        for role, pid in pids.items():
+            base = mib(pid)
+            print(f"{role} pid {pid}, warm: RSS {base['VmRSS']:.0f} MiB, HWM {base['VmHWM']:.0f} MiB")
 
         health = Health(port)
         health.start()
@@ -206,26 +209,31 @@ def main() -> None:
                 continue
             body = json.dumps(build()).encode()
             time.sleep(1.0)  # let the previous request's memory settle
-            Path(f"/proc/{server.pid}/clear_refs").write_text("5")
-            before = mib(server.pid)
+            for pid in pids.values():
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
+            before = {role: mib(pid) for role, pid in pids.items()}
             health.worst = 0.0
             t = time.perf_counter()
             status, size = post(port, path, body, events)
             secs = time.perf_counter() - t
             time.sleep(1.0)  # an aborted stream's requests leave the engine at its next step
-            after = mib(server.pid)
-            row = {
+            after = {role: mib(pid) for role, pid in pids.items()}
+            row: dict[str, Any] = {
                 "request": name,
                 "body_bytes": len(body),
                 "status": status,
                 "answer_bytes": size,
                 "seconds": round(secs, 2),
-                "rss_before_mib": round(before["VmRSS"]),
-                "peak_mib": round(after["VmHWM"]),
-                "peak_over_before_mib": round(after["VmHWM"] - before["VmRSS"]),
-                "rss_after_over_before_mib": round(after["VmRSS"] - before["VmRSS"]),
                 "health_worst_ms": round(1000 * health.worst, 1),
             }
+            for role in pids:
+                b, a = before[role], after[role]
+                row[role] = {
+                    "rss_before_mib": round(b["VmRSS"]),
+                    "peak_mib": round(a["VmHWM"]),
+                    "peak_over_before_mib": round(a["VmHWM"] - b["VmRSS"]),
+                    "rss_after_over_before_mib": round(a["VmRSS"] - b["VmRSS"]),
+                }
             rows.append(row)
             print(json.dumps(row), flush=True)
         health.stop = True
@@ -239,12 +247,17 @@ def main() -> None:
             "rows": rows,
         },
     )
-    print("\n| request | body | status | s | peak over idle MiB | kept MiB | /health worst ms |")
+    roles = " / ".join(pids)
+    print(
+        f"\n| request | body | status | s | peak over idle MiB ({roles}) | kept MiB ({roles}) | /health worst ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        peak = " / ".join(str(r[role]["peak_over_before_mib"]) for role in pids)
+        kept = " / ".join(str(r[role]["rss_after_over_before_mib"]) for role in pids)
         print(
-            f"| {r['request']} | {r['body_bytes'] / 2**20:.2f} MiB | {r['status']} | {r['seconds']} | "
-            f"{r['peak_over_before_mib']} | {r['rss_after_over_before_mib']} | {r['health_worst_ms']} |"
+            f"| {r['request']} | {r['body_bytes'] / 2**20:.2f} MiB | {r['status']} | {r['seconds']} | {peak} | "
+            f"{kept} | {r['health_worst_ms']} |"
         )
 
 

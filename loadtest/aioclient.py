@@ -40,6 +40,14 @@ async def get_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str
         return parse_metrics(await r.text())
 
 
+def resident_memory(m: dict[str, float]) -> float | None:
+    """The server's resident memory, bytes: its process's and its engine-core process's (when it has one)."""
+    rss = m.get("process_resident_memory_bytes")
+    if rss is None:
+        return None
+    return rss + m.get("tinypaged:engine_core_resident_memory_bytes", 0.0)
+
+
 def is_idle(m: dict[str, float]) -> bool:
     """Nothing running, waiting or swapped, and every KV block free."""
     busy = sum(m.get(f"tinypaged:num_requests_{k}", 0) for k in ("running", "waiting", "swapped"))

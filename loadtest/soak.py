@@ -16,8 +16,8 @@ of at most 30 s). At the end it checks, and exits 1 when one fails:
 - every fault answered as documented (4xx JSON for bad bodies, 408 for a body that never arrives, the
   connection closed for a silent client, 503 or a complete answer in a burst);
 - after the load, nothing running or waiting and every KV block free (from `/metrics`);
-- the server's resident memory (`process_resident_memory_bytes`) grew by at most `--max-rss-growth-mib` between
-  the end of a warm-up (the first tenth of the run) and the end;
+- the server's resident memory (`process_resident_memory_bytes`, plus its engine-core process's) grew by at most
+  `--max-rss-growth-mib` between the end of a warm-up (the first tenth of the run) and the end;
 - the server still serving: `/health` and a greedy request equal to its reference.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-from aioclient import get_metrics, is_idle, post_stream, wait_idle
+from aioclient import get_metrics, is_idle, post_stream, resident_memory, wait_idle
 from workload import CHAT, COMPLETIONS, LengthDist, Stream, random_text, request_body
 
 # How often each kind of client is picked (normal ones most of the time).
@@ -414,11 +414,11 @@ class Soak:
             if a.max_queue_len is not None:
                 tasks.append(asyncio.create_task(self.bursts(session)))
             await asyncio.sleep(min(a.duration / 10, 30))
-            rss_warm = (await get_metrics(session, self.base)).get("process_resident_memory_bytes")
+            rss_warm = resident_memory(await get_metrics(session, self.base))
             await asyncio.gather(*tasks)
             load_s = time.monotonic() - t0
             m1 = await wait_idle(session, self.base, timeout=60)
-            rss_end = m1.get("process_resident_memory_bytes")
+            rss_end = resident_memory(m1)
             # Still serving: health, and a reference answered as it was alone.
             async with session.get(self.base + "/health") as r:
                 healthy = r.status == 200
@@ -458,7 +458,7 @@ class Soak:
                 "free_blocks": m1.get("tinypaged:num_free_gpu_blocks"),
                 "total_blocks": m1.get("tinypaged:num_gpu_blocks"),
                 "aborted_requests": m1.get(aborts, 0) - m0.get(aborts, 0),
-                "rss_mib_before": _mib(m0.get("process_resident_memory_bytes")),
+                "rss_mib_before": _mib(resident_memory(m0)),
                 "rss_mib_after_warmup": _mib(rss_warm),
                 "rss_mib_end": _mib(rss_end),
                 "rss_growth_mib": None if growth is None else round(growth, 1),

@@ -212,7 +212,7 @@ def test_cancel_abort_refuse_and_grammars(model_dir: Path) -> None:
             engine.generate("x", long, "after")
 
     uvloop.run(main())
-    assert not Path(f"/proc/{engine.pid}").exists()  # the core exited, and was reaped
+    assert not Path(f"/proc/{engine.core_pid}").exists()  # the core exited, and was reaped
 
 
 def test_a_killed_core_fails_every_stream_within_seconds(model_dir: Path) -> None:
@@ -225,8 +225,8 @@ def test_a_killed_core_fails_every_stream_within_seconds(model_dir: Path) -> Non
         while engine.stats().num_running < 4:
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
-        assert engine.pid is not None
-        os.kill(engine.pid, signal.SIGKILL)
+        assert engine.core_pid is not None
+        os.kill(engine.core_pid, signal.SIGKILL)
         results = await asyncio.gather(*streams, return_exceptions=True)
         took = time.monotonic() - t0
         for r in results:

@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tinypaged.server.local import child_processes, engine_core_pid
+
 
 @pytest.fixture
 def serve_process(model_dir: Path):
@@ -106,33 +108,25 @@ def test_sigterm_drains_then_exits_zero(serve_process) -> None:
     assert "Traceback" not in output, output
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """The child processes of `pid`: (pid, command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            found.append((int(entry.name), cmdline))
-    return found
-
-
 def test_a_dead_engine_core_answers_503_and_the_server_still_exits_cleanly(serve_process) -> None:
     proc, url = serve_process
-    cores = [pid for pid, cmd in _children(proc.pid) if "spawn_main" in cmd]
-    assert len(cores) == 1, _children(proc.pid)
+    core = engine_core_pid(proc.pid)
+    assert core is not None, child_processes(proc.pid)
 
     async def scenario() -> tuple:
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            metrics = await r.text()
+        # The core's resident memory is reported beside the server's (the model lives there).
+        line = next(
+            x for x in metrics.splitlines() if x.startswith("tinypaged:engine_core_resident_memory_bytes")
+        )
+        statm = Path(f"/proc/{core}/statm").read_text().split()
+        assert 0.5 < float(line.split()[-1]) / (int(statm[1]) * os.sysconf("SC_PAGE_SIZE")) < 2
         started = asyncio.Event()
         stream = asyncio.create_task(_stream(url, 450, started))
         await asyncio.wait_for(started.wait(), 60)
         t0 = time.monotonic()
-        os.kill(cores[0], signal.SIGKILL)
+        os.kill(core, signal.SIGKILL)
         streamed = await stream
         took = time.monotonic() - t0
         async with aiohttp.ClientSession() as s:
@@ -150,4 +144,4 @@ def test_a_dead_engine_core_answers_503_and_the_server_still_exits_cleanly(serve
     assert status == 503 and "engine process exited" in body["error"]["message"], body
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
-    assert not _children(proc.pid)
+    assert not child_processes(proc.pid)

@@ -113,6 +113,11 @@ class AsyncEngine:
         self._step_listeners.append(listener)
 
     @property
+    def core_pid(self) -> None:
+        """None: the engine runs in this process."""
+        return None
+
+    @property
     def is_running(self) -> bool:
         """True between start() and shutdown() while the loop task is alive."""
         return self._task is not None and not self._task.done()

@@ -31,6 +31,11 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id when it runs in a process of its own (None: in this one)."""
+        ...
+
+    @property
     def is_running(self) -> bool:
         """True while the engine serves (started, not shut down, not failed)."""
         ...

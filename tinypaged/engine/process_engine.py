@@ -121,7 +121,7 @@ class ProcessEngine:
         return self._tokenizer
 
     @property
-    def pid(self) -> int | None:
+    def core_pid(self) -> int | None:
         """The engine-core process's id."""
         return self._process.pid
 
@@ -187,7 +187,8 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
 
         def on_message(data: bytes) -> None:  # the reader thread: decode there, handle on the loop
-            loop.call_soon_threadsafe(self._on_message, decode(data))
+            if not loop.is_closed():  # (else nobody is listening any more)
+                loop.call_soon_threadsafe(self._on_message, decode(data))
 
         def on_close() -> None:  # the reader thread, once the core's end is closed: its exit is near
             self._reap(5)

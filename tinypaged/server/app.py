@@ -261,7 +261,8 @@ async def version(request: web.Request) -> web.StreamResponse:
 
 async def metrics(request: web.Request) -> web.StreamResponse:
     """GET /metrics in the Prometheus text format."""
-    text = request.app[SERVING].metrics.render(request.app[ENGINE].stats())
+    engine = request.app[ENGINE]
+    text = request.app[SERVING].metrics.render(engine.stats(), engine.core_pid)
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 

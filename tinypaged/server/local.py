@@ -9,6 +9,30 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+
+def child_processes(pid: int) -> list[tuple[int, str]]:
+    """The child processes of `pid`, each as (pid, command line); Linux (/proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found.append(
+                    (int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                )
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def engine_core_pid(server_pid: int) -> int | None:
+    """The engine-core process of a `tinypaged serve` process (its multiprocessing child), if it has one."""
+    cores = [pid for pid, cmd in child_processes(server_pid) if "spawn_main" in cmd]
+    return cores[0] if len(cores) == 1 else None
 
 
 class LocalServer:

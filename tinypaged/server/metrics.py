@@ -54,10 +54,11 @@ ENGINE_METRICS = (
 )
 
 
-def resident_memory_bytes() -> int | None:
-    """This process's resident set size (Linux: /proc/self/statm); None where it cannot be read."""
+def resident_memory_bytes(pid: int | None = None) -> int | None:
+    """A process's resident set size (this one's by default; Linux: /proc/PID/statm); None where it cannot be
+    read."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
@@ -144,8 +145,9 @@ class ServerMetrics:
         """Count a request that ran to its end (stop or length), or one that was aborted."""
         self.finished[finish_reason or "abort"] += 1
 
-    def render(self, stats: EngineStats) -> str:
-        """The whole exposition; `stats` is the engine's `stats()`."""
+    def render(self, stats: EngineStats, core_pid: int | None = None) -> str:
+        """The whole exposition; `stats` is the engine's `stats()`, `core_pid` its engine-core process (if it
+        runs in one: its resident memory is reported beside this process's)."""
         lines: list[str] = []
         for name, kind, help_text, field in ENGINE_METRICS:
             # The classic text format names a counter with its `_total` suffix on the TYPE line too.
@@ -169,5 +171,13 @@ class ServerMetrics:
                 "# HELP process_resident_memory_bytes Resident memory size in bytes.",
                 "# TYPE process_resident_memory_bytes gauge",
                 f"process_resident_memory_bytes {rss}",
+            ]
+        core_rss = resident_memory_bytes(core_pid) if core_pid is not None else None
+        if core_rss is not None:
+            full = f"{self.prefix}engine_core_resident_memory_bytes"
+            lines += [
+                f"# HELP {full} Resident memory size of the engine-core process in bytes.",
+                f"# TYPE {full} gauge",
+                f"{full}{{{self.labels}}} {core_rss}",
             ]
         return "\n".join(lines) + "\n"
