@@ -19,7 +19,7 @@ from tinypaged import LLM, SamplingParams
 from tinypaged.config import EngineConfig
 from tinypaged.engine.process_engine import ProcessEngine
 from tinypaged.engine.stats import EngineStats
-from tinypaged.engine.wire import DeltaDecoder, DeltaEncoder, Outputs, decode, encode
+from tinypaged.engine.wire import LOGPROB_CHUNK, DeltaDecoder, DeltaEncoder, Outputs, decode, encode
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import StructuredOutputsParams
@@ -135,7 +135,7 @@ def test_deltas_rebuild_every_output() -> None:
         "grows": [
             out("grows", [("a", 1)], plp=1),
             out("grows", [("ab", 2), ("x", 1)], plp=2),
-            out("grows", [("abc", 3), ("xy", 2)], True, 2),
+            out("grows", [("abc", 3 + 2 * LOGPROB_CHUNK), ("xy", 2)], True, 2),  # logprobs in 3 chunks
         ],
         "rewritten": [
             out("rewritten", [("hello", 1)]),

@@ -10,6 +10,7 @@ tenth of the steps' time when both ran in one process. `tinypaged serve` runs th
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -85,6 +86,11 @@ class ProcessEngine:
         # Requests sent but not yet added by the core (it counts those it added): (number, sequences).
         self._sent = 0
         self._unapplied: deque[tuple[int, int]] = deque()
+        # What exists now (torch, the tokenizer, the server's modules) lives as long as the server: out of the
+        # cyclic collector's view, as the engine does in its process, so that the collections a burst of outputs
+        # triggers traverse only the outputs.
+        gc.collect()
+        gc.freeze()
 
     def _wait_ready(self, timeout: float | None) -> EngineStats:
         """Wait for the core to load its model; its error if it could not."""
@@ -186,9 +192,19 @@ class ProcessEngine:
             return
         loop = asyncio.get_running_loop()
 
-        def on_message(data: bytes) -> None:  # the reader thread: decode there, handle on the loop
+        def on_message(
+            data: bytes,
+        ) -> None:  # the reader thread: decode and rebuild there, deliver on the loop
+            msg = decode(data)
+            outputs: list[RequestOutput] = []
+            if isinstance(msg, Outputs):
+                rebuild = self._outputs.decode
+                outputs = [out for d in msg.outputs if (out := rebuild(d)) is not None]
+            elif isinstance(msg, Failed):
+                for rid in msg.request_ids:
+                    self._outputs.drop(rid)
             if not loop.is_closed():  # (else nobody is listening any more)
-                loop.call_soon_threadsafe(self._on_message, decode(data))
+                loop.call_soon_threadsafe(self._on_message, msg, outputs)
 
         def on_close() -> None:  # the reader thread, once the core's end is closed: its exit is near
             self._reap(5)
@@ -279,13 +295,11 @@ class ProcessEngine:
 
     # ---- the core's messages, on the event loop ----------------------------------------------------------
 
-    def _on_message(self, msg: Message) -> None:
+    def _on_message(self, msg: Message, outputs: list[RequestOutput]) -> None:
         if isinstance(msg, Outputs):
             self._stats = msg.stats
             while self._unapplied and self._unapplied[0][0] <= msg.applied:
                 self._unapplied.popleft()
-            decode_output = self._outputs.decode
-            outputs = [out for d in msg.outputs if (out := decode_output(d)) is not None]
             self._streams.dispatch(outputs)
             if msg.step is not None:
                 for listener in self._step_listeners:
@@ -294,8 +308,6 @@ class ProcessEngine:
             error: Exception = (
                 RequestError(msg.message, msg.param, msg.code) if msg.refused else EngineError(msg.message)
             )
-            for rid in msg.request_ids:
-                self._outputs.drop(rid)
             self._streams.fail(msg.request_ids, error)
         elif isinstance(msg, Reply):
             answer = self._queries.get(msg.token)

@@ -3,7 +3,10 @@
 Requests, aborts and queries go to the core as pickled tuples (one per request: their size is the prompt's).
 Outputs come back once per step as one msgspec message: each request's output as a delta against the last one
 sent for it (the new tokens, text and logprobs), so a step's message grows with the step's tokens, not with
-the requests' lengths; the server's side rebuilds vLLM's cumulative RequestOutput from it.
+the requests' lengths; the server's side rebuilds vLLM's cumulative RequestOutput from it. Logprobs travel in
+chunks encoded apart (`LOGPROB_CHUNK` tokens' entries each) that the server decodes one at a time: a request
+that finishes with a million entries would otherwise hold the server's GIL for seconds in one decode call, and
+its event loop with it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,28 @@ from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 
 logger = logging.getLogger(__name__)
 
+LOGPROB_CHUNK = 256  # tokens' logprob entries per chunk: up to ~5k Logprobs, a few ms to decode
+_encode_logprobs = msgspec.msgpack.Encoder().encode
+_decode_logprobs = msgspec.msgpack.Decoder(list[dict[int, Logprob] | None]).decode
+
+
+def pack_logprobs(entries: list | None) -> list[msgspec.Raw] | None:
+    """Logprob entries (per token: {token id: Logprob}, or None) as separately encoded chunks."""
+    if entries is None:
+        return None
+    step = LOGPROB_CHUNK
+    return [msgspec.Raw(_encode_logprobs(entries[i : i + step])) for i in range(0, len(entries), step)]
+
+
+def unpack_logprobs(chunks: list[msgspec.Raw] | None) -> list | None:
+    """The entries `pack_logprobs` packed, decoded chunk by chunk (other threads get the GIL in between)."""
+    if chunks is None:
+        return None
+    entries: list = []
+    for chunk in chunks:
+        entries += _decode_logprobs(chunk)
+    return entries
+
 
 class SeqDelta(msgspec.Struct, array_like=True):
     """One output of a request: what to keep of the last one sent at this position, and what follows."""
@@ -31,7 +56,7 @@ class SeqDelta(msgspec.Struct, array_like=True):
     keep_text: int
     text: str
     keep_logprobs: int
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[msgspec.Raw] | None  # pack_logprobs
     cumulative_logprob: float | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -46,7 +71,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     error: str | None
     error_kind: str | None
     keep_prompt_logprobs: int
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    prompt_logprobs: list[msgspec.Raw] | None  # pack_logprobs
     metrics: RequestMetrics | None
 
 
@@ -136,7 +161,7 @@ class DeltaEncoder:
                     keep_text,
                     o.text[keep_text:],
                     n_lp,
-                    lps[n_lp:] if lps is not None else None,
+                    pack_logprobs(lps[n_lp:]) if lps is not None else None,
                     o.cumulative_logprob,
                     o.finish_reason,
                     o.stop_reason,
@@ -155,11 +180,14 @@ class DeltaEncoder:
         if out.finished:
             self._sent.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
-        return OutputDelta(rid, deltas, out.finished, out.error, out.error_kind, keep_plp, plp, out.metrics)
+        return OutputDelta(
+            rid, deltas, out.finished, out.error, out.error_kind, keep_plp, pack_logprobs(plp), out.metrics
+        )
 
 
 class DeltaDecoder:
-    """The server's side: rebuilds each request's cumulative RequestOutput from its deltas."""
+    """The server's side: rebuilds each request's cumulative RequestOutput from its deltas. `add` runs before
+    the request is sent; `decode` and `drop` run in the order the core's messages arrive (one thread)."""
 
     def __init__(self) -> None:
         # request id -> (prompt text, prompt ids, the last output built)
@@ -183,7 +211,7 @@ class DeltaDecoder:
         outputs = []
         for pos, s in enumerate(d.outputs):
             prev = before[pos] if pos < len(before) else None
-            tokens, text, lps = s.token_ids, s.text, s.logprobs
+            tokens, text, lps = s.token_ids, s.text, unpack_logprobs(s.logprobs)
             if prev is not None:
                 tokens = prev.token_ids[: s.keep_tokens] + tokens if s.keep_tokens else tokens
                 text = prev.text[: s.keep_text] + text if s.keep_text else text
@@ -194,7 +222,7 @@ class DeltaDecoder:
                     s.index, text, tokens, s.cumulative_logprob, lps, s.finish_reason, s.stop_reason
                 )
             )
-        plp = d.prompt_logprobs
+        plp = unpack_logprobs(d.prompt_logprobs)
         if plp is not None and d.keep_prompt_logprobs and last is not None and last.prompt_logprobs:
             plp = last.prompt_logprobs[: d.keep_prompt_logprobs] + plp
         out = RequestOutput(
