@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 
-@dataclass
-class Logprob:
-    """One token's log-probability and rank in the model's distribution."""
+
+class Logprob(msgspec.Struct, gc=False):
+    """One token's log-probability and rank in the model's distribution.
+
+    A request may hold a million of these (limits.MAX_LOGPROB_ENTRIES). Untracked by the cyclic garbage collector
+    (they hold no references, so no cycles), they and the dicts that hold them cost its full collections nothing:
+    tracked, a million of them made each collection take ~0.2 s, with the GIL held.
+    """
 
     logprob: float
     rank: int
