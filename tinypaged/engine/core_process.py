@@ -141,6 +141,8 @@ class _Core:
             result = engine.step()
         except StepError as e:
             logger.error("%s (requests %s)", e, e.request_ids, exc_info=e.__cause__)
+            for rid in e.request_ids:
+                self.deltas.drop(rid)  # aborted: no output of theirs follows
             self.channel.send(encode(Failed(e.request_ids, str(e), refused=False)))
             self._send(e.outputs)
             return

@@ -144,6 +144,11 @@ class DeltaEncoder:
         """Start a request's record."""
         self._sent[request_id] = (whole, [])
 
+    def drop(self, request_id: str) -> None:
+        """Forget a request that ends without a finished output (a failed step aborted it)."""
+        self._sent.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+
     def encode(self, out: RequestOutput) -> OutputDelta:
         """The delta of a request's newest output; a finished request's record is dropped."""
         rid = out.request_id
