@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EXIT_GRACE_S = 60.0  # seconds to stop in once the server's end of the pipe is closed
+# Seconds between two readings of the engine's load while it steps with nothing new applied. A reading walks the
+# waiting queue (0.3 ms with 2,000 requests waiting, on a CPU core), too much for every step; between readings the
+# waiting requests can only be admitted (the server's view of the queue stays an overestimate).
+_STATS_EVERY_S = 0.05
 
 
 class _Inbox:
@@ -113,6 +118,8 @@ class _Core:
         self.channel = channel
         self.deltas = DeltaEncoder()
         self.applied = 0  # requests added so far
+        self._stats = engine.stats()  # the load as last read (_send)
+        self._stats_due = 0.0
 
     def serve(self, inbox: _Inbox) -> int:
         """Apply what arrives and step while there is work; 0 once told to stop, 1 if the engine died."""
@@ -149,9 +156,14 @@ class _Core:
         self._send(result.outputs, result.stats)
 
     def _send(self, outputs: list[RequestOutput], step: StepStats | None = None) -> None:
+        """Send outputs with the engine's load: read afresh after applying requests and aborts (`step` None),
+        once the engine is idle, and otherwise every _STATS_EVERY_S."""
+        now = time.monotonic()
+        if step is None or now >= self._stats_due or not self.engine.has_unfinished_requests():
+            self._stats, self._stats_due = self.engine.stats(), now + _STATS_EVERY_S
         encode_delta = self.deltas.encode
         deltas = [encode_delta(out) for out in outputs]
-        self.channel.send(encode(Outputs(self.applied, deltas, self.engine.stats(), step)))
+        self.channel.send(encode(Outputs(self.applied, deltas, self._stats, step)))
 
     def _apply(self, ops: list[tuple[Any, ...]]) -> bool:
         """Apply requests, aborts and queries in order; False on a stop."""

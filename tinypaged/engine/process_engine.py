@@ -192,9 +192,8 @@ class ProcessEngine:
             return
         loop = asyncio.get_running_loop()
 
-        def on_message(
-            data: bytes,
-        ) -> None:  # the reader thread: decode and rebuild there, deliver on the loop
+        def on_message(data: bytes) -> None:
+            # In the reader thread: decode and rebuild the outputs here, deliver them on the loop.
             msg = decode(data)
             outputs: list[RequestOutput] = []
             if isinstance(msg, Outputs):
@@ -218,14 +217,12 @@ class ProcessEngine:
         EngineError."""
         if self._stopped:
             return
+        self._start()  # (a core never started still gets its stop through the pipe's writer)
+        assert self._channel is not None
         self._stopped = True
         self._streams.fail(self._streams.ids(), EngineError("the engine was shut down"))
-        if self._channel is not None:
-            self._channel.send(pickle.dumps(("stop",)))
-            self._channel.close()
-        else:
-            self._ops.send_bytes(pickle.dumps(("stop",)))
-            self._ops.close()
+        self._channel.send(pickle.dumps(("stop",)))
+        self._channel.close()
         await asyncio.get_running_loop().run_in_executor(None, self._join)
 
     def _join(self) -> None:
@@ -253,10 +250,7 @@ class ProcessEngine:
         cancelling the iterator, or dropping it unread, aborts the request. A failure inside the engine raises
         EngineError.
         """
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
+        self._check_serving()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         request = self._inputs.process(request_id, prompt, params)
@@ -273,16 +267,20 @@ class ProcessEngine:
         if request_id in self._streams:
             self._send(("abort", request_id))
 
+    def _check_serving(self) -> None:
+        """EngineDeadError if the core died, EngineError if it was shut down."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._stopped:
+            raise EngineError("the engine has been shut down")
+
     def _send(self, op: tuple[Any, ...]) -> None:
         if self._channel is not None and not self._stopped and self._dead is None:
             self._channel.send(pickle.dumps(op, protocol=pickle.HIGHEST_PROTOCOL))
 
     async def _query(self, kind: str, *args: Any) -> Reply:
         """Ask the core; its reply (EngineError if it stops first)."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
+        self._check_serving()
         self._start()
         token = next(self._tokens)
         answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
