@@ -86,7 +86,7 @@ EAGER = GraphChoice()
 class ExecuteOutput:
     """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
 
-    logits: torch.Tensor  # [S, vocab]: each sampling sequence's last new token, in scheduled order
+    logits: torch.Tensor  # [S, vocab] in the model's dtype: each sampling sequence's last new token, in order
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     graph: GraphChoice = EAGER  # the CUDA graph the forward pass replayed
@@ -431,7 +431,7 @@ class ModelRunner:
         )
         ids = torch.tensor([t for p in prompts for t in p], device=dev)
         pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
-        logits = self.model.compute_logits(self.model(ids, pos, kv, meta))
+        logits = self.model.compute_logits(self.model(ids, pos, kv, meta)).float()
         return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(prompts))]
 
     def release(self) -> None:

@@ -131,7 +131,11 @@ class Sampler:
         logits = self.process(logits, rows)
         device = logits.device
         params = [r.params for r in rows]
-        next_ids = logits.argmax(dim=-1)
+        best = logits.argmax(dim=-1)
+        # A row has a token to draw iff its largest logit is finite; the argmax points at it (a NaN included:
+        # argmax takes NaN as the largest), so one gather replaces a second pass over the vocabulary.
+        valid = torch.isfinite(logits.gather(1, best[:, None])[:, 0])
+        next_ids = best
         if not all(p.greedy for p in params):
             vocab = logits.shape[-1]
             floats = upload(
@@ -149,11 +153,10 @@ class Sampler:
             sampled = ops.sample(logits, ops.SampleParams(floats[0], ints[0], floats[1], floats[2], ints[1]))
             if any(p.greedy for p in params):
                 greedy = upload([p.greedy for p in params], torch.bool, device)
-                next_ids = torch.where(greedy, next_ids, sampled)
+                next_ids = torch.where(greedy, best, sampled)
             else:
                 next_ids = sampled
 
-        valid = torch.isfinite(logits.amax(dim=-1))
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         tensors: tuple[torch.Tensor | None, ...] = (next_ids, valid, None, None, None, None)
         if k is not None or need_logprobs:

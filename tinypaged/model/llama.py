@@ -214,10 +214,11 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits `[N, vocab]` in fp32 of the given hidden rows (on every rank: each computes its vocabulary
-        range, gathered in the model's dtype before the cast)."""
+        """Logits `[N, vocab]` of the given hidden rows, in the model's dtype (on every rank: each computes its
+        vocabulary range, then they are gathered). Consumers upcast where they need to (log-softmax, penalties): a
+        bf16 row is read at half the bytes of an fp32 copy, and greedy's argmax is exact on it."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = ops.linear(hidden, weight)
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
-        return logits.float()
+        return logits
