@@ -238,8 +238,43 @@ def _kernel_table(prof: Any, wall: float, steps: int) -> dict[str, Any]:
     }
 
 
+def _kernel_gaps(prof: Any, steps: int) -> dict[str, Any]:
+    """From the trace's device intervals: the time some kernel (or copy) ran, and the gaps between them by length
+    (under 10 us: launch boundaries inside a CUDA graph or stream; longer: the device waiting on the host)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    busy = 0.0
+    gaps = {"under_10us": 0.0, "10_to_200us": 0.0, "over_200us": 0.0}
+    short = 0
+    end = spans[0][0] if spans else 0.0
+    for start, stop in spans:
+        if start > end:
+            gap = start - end
+            key = "under_10us" if gap < 10 else "10_to_200us" if gap < 200 else "over_200us"
+            gaps[key] += gap
+            short += gap < 10
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {
+        "span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0,
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "gaps_ms_per_step": {k: v / 1e3 / steps for k, v in gaps.items()},
+        "short_gaps_per_step": short / steps,
+    }
+
+
 def profile_steps(llm: LLM, steps: int) -> dict[str, Any]:
-    """torch.profiler over the engine's next `steps` steps: kernel time by kernel and class against wall time."""
+    """torch.profiler over the engine's next `steps` steps: kernel time by kernel and class against wall time,
+    and the device's busy time and the gaps between its kernels (`_kernel_gaps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync_device()
@@ -249,7 +284,7 @@ def profile_steps(llm: LLM, steps: int) -> dict[str, Any]:
             llm.engine.step()
         sync_device()
         wall = time.perf_counter() - t0
-    return _kernel_table(prof, wall, steps)
+    return {**_kernel_table(prof, wall, steps), **_kernel_gaps(prof, steps)}
 
 
 # ---- batch-1 latency -----------------------------------------------------------------------------------------

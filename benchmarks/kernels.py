@@ -6,7 +6,8 @@ Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-gr
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
 rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
 same run, the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time), and a
-decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline.
+decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline, and one layer's
+attention in a W1 step with prefill chunks (`--sections mixed_attention`).
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from common import MATMUL_TFLOPS, write_json
+from common import MATMUL_TFLOPS, make_workload, write_json
 from triton.testing import do_bench
 
 import tinypaged.kernels as tk
@@ -38,12 +39,13 @@ RESULTS: dict[str, Any] = {
     "decode": [],
     "decode_ragged": [],
     "prefill": [],
+    "mixed_attention": [],
     "small": [],
     "gemv": [],
     "matmul": [],
     "sweeps": [],
 }
-SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "small", "gemv", "matmul")
+SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "mixed_attention", "small", "gemv", "matmul")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -466,6 +468,67 @@ def prefill_shape(batch: int, new: int, ctx: int, heads: tuple[int, int, int], q
     )
 
 
+def mixed_attention(quick: bool) -> None:
+    """One layer's attention in a W1 step with prefill chunks: the first W1 (seed 2) prompts that fit in 8,000
+    tokens, fresh, alone and beside 137 decodes at 100-1,100 tokens of context (the decodes alone too), in CUDA
+    graphs; the prefill part with each swept config as well. W1's chunks are short and causal, unlike 4 x 2048."""
+    chunk: list[int] = []
+    for prompt, _ in make_workload(256, 128256, seed=2):
+        if sum(chunk) + len(prompt) > 8000:
+            break
+        chunk.append(len(prompt))
+    dec_ctx = torch.randint(100, 1101, (137,), generator=torch.Generator().manual_seed(0)).tolist()
+    mixed_attention_case("prefill", chunk, [0] * len(chunk), quick)
+    mixed_attention_case("prefill_and_decodes", chunk + [1] * 137, [0] * len(chunk) + dec_ctx, quick)
+    mixed_attention_case("decodes", [1] * 137, dec_ctx, quick)
+
+
+def mixed_attention_case(name: str, q_lens: list[int], ctx: list[int], quick: bool) -> None:
+    """One case of `mixed_attention`: the default configs (decodes longest first, as the engine stages them)."""
+    hq, hkv, d, block_size = 32, 8, 128, 16
+    q, kv, bt, sl, qsl = paged_batch(q_lens, ctx, hq, hkv, d, block_size, seed=1)
+    pairs = list(zip(q_lens, ctx, strict=True))
+    flops = sum(4 * d * hq * sum(c + i + 1 for i in range(n)) for n, c in pairs if n > 1)
+    kv_bytes = sum(c + 1 for n, c in pairs if n == 1) * hkv * d * 2 * 2
+    order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+    decode_cfg = tk.attention.default_configs(q, hq // hkv)[0]
+
+    def ours(cfg: Any = None) -> torch.Tensor:
+        return tk.paged_attention(
+            q,
+            kv,
+            bt,
+            sl,
+            qsl,
+            d**-0.5,
+            max_query_len=max(q_lens),
+            max_seq_len=2048,
+            configs=None if cfg is None else (decode_cfg, cfg),
+            seq_order=order,
+        )
+
+    us = 1e3 * graph_ms([ours] * 4)
+    row: dict[str, Any] = {
+        "case": name,
+        "prompt_lens": [n for n in q_lens if n > 1],
+        "decodes": q_lens.count(1),
+        "prefill_flops": flops,
+        "decode_kv_bytes": kv_bytes,
+        "us_default": us,
+        "prefill_TFLOPs_if_alone": flops / us / 1e6 if flops else None,
+        "sweep_us": {},
+    }
+    for cfg in [] if quick or not flops else PREFILL_CONFIGS:
+        row["sweep_us"][repr(cfg)] = 1e3 * graph_ms([lambda cfg=cfg: ours(cfg)] * 4)
+    RESULTS["mixed_attention"].append(row)
+    best = min(row["sweep_us"].values(), default=us)
+    print(
+        f"mixed attention, {name}: {sum(q_lens)} tokens, {flops / 1e12:.3f} TFLOP, decode K/V "
+        f"{kv_bytes / 1e9:.2f} GB: {us:.0f} us a layer (best swept config {best:.0f} us)",
+        flush=True,
+    )
+
+
 def small(copy_bw: float) -> None:
     """RMSNorm, SwiGLU, rotary, KV write (alone and fused with the rotary) and block copy: bytes they must move
     over time, against copy bandwidth."""
@@ -762,6 +825,8 @@ def main() -> None:
         decode_ragged(copy_bw)
     if "prefill" in run:
         prefill(args.quick)
+    if "mixed_attention" in run:
+        mixed_attention(args.quick)
     if "small" in run:
         small(copy_bw)
     if "gemv" in run:

@@ -323,6 +323,12 @@ def print_table(res: dict[str, Any]) -> None:
                 f"({w['gpu_idle_fraction']:.0%} idle); "
                 f"ms/step by class: {cls}"
             )
+            if "gaps_ms_per_step" in w:
+                gaps = ", ".join(f"{k} {v:.3f}" for k, v in w["gaps_ms_per_step"].items())
+                lines.append(
+                    f"profile {name}: device span {w['span_ms_per_step']:.2f} ms/step, busy "
+                    f"{w['busy_ms_per_step']:.2f}; gaps ms/step {gaps} ({w['short_gaps_per_step']:.0f} short)"
+                )
     print("\n".join(lines), flush=True)
 
 
