@@ -85,9 +85,13 @@ class InputProcessor:
             if text is not None and not isinstance(text, str):
                 raise RequestError(f"a prompt's text is a string, got {type(text).__name__}", "prompt")
             vocab = self.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})", "prompt")
+            # The check in C (types, then bounds) first: a Python loop over every id was most of a W1 batch's
+            # host time before its first step, while the device waits (BENCHMARKS.md, "W1 is device-bound end
+            # to end"). The loop only names the culprit.
+            if not ids or set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
+                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+                if bad:
+                    raise RequestError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})", "prompt")
         else:
             got = f"a dict with keys {sorted(prompt)}" if isinstance(prompt, dict) else type(prompt).__name__
             raise RequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {got}", "prompt")
