@@ -10,11 +10,16 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
 - Prefill mode (sequences with more than one new token): program = (query block, KV head); a query block
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
+- A decode batch can also come with its new tokens' q, k and v straight from the QKV projection (`new_kv`):
+  the decode programs rotate them, write the new K/V into the cache and attend to the new token from
+  registers, which saves a decode step the rotary kernel's launch in every layer.
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
 without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,6 +27,17 @@ import triton.language as tl
 
 from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
 from .pdl import pdl_options, pdl_start
+
+
+class NewKV(NamedTuple):
+    """A decode batch's new tokens as the QKV projection left them (see `paged_attention`'s `new_kv`)."""
+
+    key: torch.Tensor  # [T, Hkv, D], not yet rotated
+    value: torch.Tensor  # [T, Hkv, D]
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_pos, D] fp32: cos then sin (model/llama.py's rope_cos_sin_cache)
+    slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes (negative: nowhere)
+
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for the running max: a row or split that sees no key keeps l = 0 without NaNs.
@@ -98,6 +114,80 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM: tl.constexpr):
+    """Token t's rotary angles spread over a head's dims: cos and sin of dim d's pair, the dim each d pairs
+    with (d + D/2 mod D), and whether d is in the lower half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % half)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d % half)
+    return cos, sin, (offs_d + half) % HEAD_DIM, offs_d < half
+
+
+@triton.jit
+def _rotate(x, x_pair, cos, sin, lower):
+    """Neox rotary in fp32: x1 cos - x2 sin in the lower half, x2 cos + x1 sin in the upper one."""
+    x = x.to(tl.float32)
+    x_pair = x_pair.to(tl.float32)
+    return tl.where(lower, x * cos - x_pair * sin, x * cos + x_pair * sin)
+
+
+@triton.jit
+def _attend_new_token(
+    acc,
+    l_i,
+    m_i,
+    q,
+    kv_ptr,
+    stride_kv,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    t,
+    kv_head,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    qk_scale,
+    present,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Online-softmax update with a decode's own new token (`present`: not a padding row), its key rotated
+    and both rounded to the cache's dtype as the cache would hold them; they are written into the token's slot
+    too (unless it is negative). The angles are read again rather than kept live through the KV loop."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    cos, sin, partner, lower = _rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM)
+    k_row = k_new_ptr + t.to(tl.int64) * stride_knt + kv_head * stride_knh
+    dtype = kv_ptr.dtype.element_ty
+    k = _rotate(tl.load(k_row + offs_d), tl.load(k_row + partner), cos, sin, lower).to(dtype)
+    v = tl.load(v_new_ptr + t.to(tl.int64) * stride_vnt + kv_head * stride_vnh + offs_d).to(dtype)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        dst = (
+            kv_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        )
+        tl.store(dst + offs_d, k)
+        tl.store(dst + stride_kv + offs_d, v)
+    qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
+    qk = tl.where(present, qk, float("-inf"))
+    m_new = tl.maximum(m_i, qk)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
     q_ptr,
@@ -109,6 +199,11 @@ def _paged_attn_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_order_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    slot_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -121,6 +216,11 @@ def _paged_attn_kernel(
     stride_kt,
     stride_kh,
     stride_bt,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cs,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -131,10 +231,16 @@ def _paged_attn_kernel(
     SKIP_SINGLE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
+    NEW_KV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
+    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V.
+
+    With NEW_KV (decode only) q, and the new token's k and v, come as the QKV projection left them: q and k are
+    rotated here (`ops.ref_rotary_embedding`'s arithmetic), the tiles cover the context before the new token,
+    and the last split adds the new token from registers and writes its K/V into its slot (none when negative),
+    so nothing in the launch reads a slot it writes."""
     pdl_start(USE_PDL)
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
     # every KV head of their tokens) run side by side.
@@ -181,17 +287,24 @@ def _paged_attn_kernel(
     row_ok = (tok < BLOCK_Q) & (q_idx < q_len)
     q_pos = ctx_len + q_idx
     q_rows = (q_start + q_idx).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_off = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_off + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # The keys the tiles cover: all of the sequence's, or (NEW_KV) those before the new token; a row sees the
+    # tiles' keys up to `tile_pos`.
+    kv_len = seq_len
+    tile_pos = q_pos
+    if NEW_KV:
+        kv_len = seq_len - 1
+        tile_pos = q_pos - 1
+        cos, sin, partner, lower = _rotation(pos_ptr, cos_sin_ptr, q_start, stride_cs, HEAD_DIM)
+        q_pair = tl.load(q_off + partner[None, :], mask=row_ok[:, None], other=0.0)
+        q = _rotate(q, q_pair, cos[None, :], sin[None, :], lower[None, :]).to(q.dtype)
 
     # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
     first_pos = ctx_len + q_block * BLOCK_Q
-    end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    end = tl.minimum(first_pos + BLOCK_Q, kv_len)
     n_tiles = tl.cdiv(end, BLOCK_N)
-    n_full = tl.minimum((first_pos + 1) // BLOCK_N, n_tiles)
+    n_full = tl.minimum(tl.minimum(first_pos + 1, kv_len) // BLOCK_N, n_tiles)
     if SPLIT_KV:
         per_split = tl.cdiv(n_tiles, num_splits)
         lo = tl.minimum(split * per_split, n_tiles)
@@ -210,12 +323,12 @@ def _paged_attn_kernel(
         l_i,
         m_i,
         q,
-        q_pos,
+        tile_pos,
         k_ptr,
         v_ptr,
         bt_row,
         kv_head_off,
-        seq_len,
+        kv_len,
         lo,
         tl.minimum(hi, n_full),
         stride_kb,
@@ -232,12 +345,12 @@ def _paged_attn_kernel(
         l_i,
         m_i,
         q,
-        q_pos,
+        tile_pos,
         k_ptr,
         v_ptr,
         bt_row,
         kv_head_off,
-        seq_len,
+        kv_len,
         tl.maximum(lo, n_full),
         hi,
         stride_kb,
@@ -249,6 +362,14 @@ def _paged_attn_kernel(
         True,
         DOT_PREC,
     )
+
+    if NEW_KV:
+        if split == num_splits - 1:
+            acc, l_i, m_i = _attend_new_token(
+                acc, l_i, m_i, q, kv_ptr, stride_kv, k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, cos_sin_ptr, q_start,
+                kv_head, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kt, stride_kh, stride_cs,
+                qk_scale, seq_len > 0, BLOCK_SIZE, HEAD_DIM,
+            )  # fmt: skip
 
     if SPLIT_KV:
         # Partials [num_splits, num_seqs, Hq, D] (unnormalised) and [2, num_splits, num_seqs, Hq] (m, l).
@@ -313,6 +434,7 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     configs: tuple[AttnConfig, AttnConfig] | None = None,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`).
 
@@ -322,6 +444,10 @@ def paged_attention(
     `num_kv_splits` forces the decode split count (1 = no split-KV). `seq_order` `[B]` int32, a permutation of the
     sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
     result. `out` is an optional `[T, Hq, D]` output.
+
+    `new_kv`: a decode batch (one new token a sequence, `max_query_len` 1) whose q is not yet rotated and whose
+    new keys and values are not yet in the cache: the launch rotates q and k and writes k and v into their slots
+    too (semantics: `ops.ref_rotary_write_kv`, then this), saving the rotary launch of a decode step.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
@@ -352,6 +478,17 @@ def paged_attention(
         stride_kh=kv_layer.stride(3),
         stride_bt=block_tables.stride(0),
         G=g,
+        k_new_ptr=q,
+        v_new_ptr=q,
+        pos_ptr=seq_lens,
+        cos_sin_ptr=q,
+        slot_ptr=seq_lens,
+        stride_knt=0,
+        stride_knh=0,
+        stride_vnt=0,
+        stride_vnh=0,
+        stride_cs=0,
+        NEW_KV=False,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -359,6 +496,27 @@ def paged_attention(
     )
     tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
+    if new_kv is not None:
+        k, v = new_kv.key, new_kv.value
+        assert max_query_len == 1 and num_tokens == num_seqs, "new_kv is for decode batches only"
+        assert (
+            k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride(-1) == v.stride(-1) == 1
+        )
+        cos_sin = new_kv.cos_sin_cache
+        assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1
+        common.update(
+            k_new_ptr=k,
+            v_new_ptr=v,
+            pos_ptr=new_kv.positions,
+            cos_sin_ptr=cos_sin,
+            slot_ptr=new_kv.slot_mapping,
+            stride_knt=k.stride(0),
+            stride_knh=k.stride(1),
+            stride_vnt=v.stride(0),
+            stride_vnh=v.stride(1),
+            stride_cs=cos_sin.stride(0),
+            NEW_KV=True,
+        )
 
     if max_query_len > 1:
         cfg = prefill_cfg

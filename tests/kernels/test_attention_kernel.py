@@ -156,6 +156,75 @@ def test_padded_as_a_cuda_graph(q_lens: list[int], ctx_lens: list[int], splits: 
     assert out[n_tok:].isnan().all(), "a padding token's row was written"
 
 
+def new_tokens(
+    kv: torch.Tensor, bt: torch.Tensor, seq_lens: torch.Tensor, g: int, seed: int, pad: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """A decode batch's QKV projection as the model leaves it (q, k, v of each sequence's new token, strided views
+    of one tensor, not yet rotated), the new tokens' positions and slots (the last `pad` rows padding, slot -1,
+    as a decode graph pads), and a cos/sin table."""
+    gen = torch.Generator().manual_seed(seed)
+    n, hkv, d = seq_lens.shape[0], kv.shape[3], kv.shape[4]
+    qkv = torch.randn(n, (g + 2) * hkv, d, generator=gen).to(kv.dtype)
+    q, k, v = qkv.split([g * hkv, hkv, hkv], dim=1)
+    pos = (seq_lens - 1).clamp(min=0).long()
+    block_size = kv.shape[2]
+    slots = bt.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    slots[n - pad :] = -1
+    angles = torch.rand(256, d // 2, generator=gen) * 6.3
+    return q, k, v, pos, torch.cat((angles.cos(), angles.sin()), dim=-1), slots
+
+
+@pytest.mark.parametrize(
+    ("g", "ctx_lens", "splits", "dtype"),
+    [
+        (4, [0, 15, 16, 70, 33], 1, torch.float32),
+        (4, [0, 15, 16, 70, 33], 3, torch.float32),
+        (1, [63, 64, 1, 100], 2, torch.float16),
+        (8, [47, 5], 5, torch.float16),
+    ],
+)
+def test_decode_with_new_tokens(g: int, ctx_lens: list[int], splits: int, dtype: torch.dtype) -> None:
+    """Decode from the QKV projection (`new_kv`): the new keys and values land in their slots as
+    `ref_rotary_write_kv` writes them, and the output is `ref_paged_attention`'s after that write, with
+    split-KV on and off (splits whose tiles are all before the new token, or none at all)."""
+    q, kv, bt, seq_lens, qsl = make_batch([1] * len(ctx_lens), ctx_lens, 2, g, 64, 16, dtype, seed=g + splits)
+    q, k, v, pos, cos_sin, slots = new_tokens(kv, bt, seq_lens, g, seed=splits)
+    kv_ref = kv.clone()
+    q_rot = ops.ref_rotary_write_kv(pos, q, k, v, cos_sin, kv_ref, slots)
+    scale = 64**-0.5
+    want = ops.ref_paged_attention(q_rot, kv_ref, bt, seq_lens, qsl, scale)
+    out = torch.full_like(q_rot, float("nan"))
+    attention.paged_attention(
+        q, kv, bt, seq_lens, qsl, scale, max_query_len=1, max_seq_len=128, num_kv_splits=splits, out=out,
+        new_kv=attention.NewKV(k, v, pos, cos_sin, slots),
+    )  # fmt: skip
+    check(out, want)
+    torch.testing.assert_close(kv, kv_ref, atol=0, rtol=0)  # the rounding of the keys as well
+
+
+def test_decode_with_new_tokens_padded() -> None:
+    """A decode graph's padding rows (no context, slot -1) write nothing into the cache and read nothing; the
+    real rows equal the unpadded batch's; the facade gives the reference's output and cache."""
+    ctx_lens = [20, 3, 40]
+    q, kv, bt, seq_lens, qsl = make_batch([1] * 3, ctx_lens, 2, 4, 64, 16, torch.float32, seed=5)
+    pad = 2
+    bt_pad = torch.cat([bt, torch.zeros((pad, bt.shape[1]), dtype=torch.int32)])
+    lens_pad = torch.cat([seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    qsl_pad = torch.arange(len(ctx_lens) + pad + 1, dtype=torch.int32)
+    q, k, v, pos, cos_sin, slots = new_tokens(kv, bt_pad, lens_pad, 4, seed=1, pad=pad)
+    kv_ref = kv.clone()
+    want = ops.ref_paged_attention(
+        ops.ref_rotary_write_kv(pos[:3], q[:3], k[:3], v[:3], cos_sin, kv_ref, slots[:3]), kv_ref, bt, seq_lens, qsl,
+        0.125,
+    )  # fmt: skip
+    out = ops.decode_attention(
+        pos, q, k, v, cos_sin, kv, slots, bt_pad, lens_pad, qsl_pad, 0.125, max_seq_len=64
+    )
+    torch.testing.assert_close(out[:3], want, atol=1e-5, rtol=0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(kv, kv_ref, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("programs", "max_splits", "want"),
     [
