@@ -6,8 +6,11 @@ Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-gr
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /
 rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
 same run, the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time), and a
-decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline, and one layer's
-attention in a W1 step with prefill chunks (`--sections mixed_attention`).
+decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline, one layer's
+attention in a W1 step with prefill chunks (`--sections mixed_attention`), and three ways to cut a decode step:
+the residual add in cuBLAS's epilogue (`residual`), a layer's attention block by KV-head groups on streams
+(`overlap`), and decode attention from the QKV projection in one launch against rotary + attention
+(`decode_fused`).
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -43,9 +46,24 @@ RESULTS: dict[str, Any] = {
     "small": [],
     "gemv": [],
     "matmul": [],
+    "residual": [],
+    "overlap": [],
+    "decode_fused": [],
     "sweeps": [],
 }
-SECTIONS = ("correctness", "decode", "decode_ragged", "prefill", "mixed_attention", "small", "gemv", "matmul")
+SECTIONS = (
+    "correctness",
+    "decode",
+    "decode_ragged",
+    "prefill",
+    "mixed_attention",
+    "small",
+    "gemv",
+    "matmul",
+    "residual",
+    "overlap",
+    "decode_fused",
+)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -712,6 +730,226 @@ def matmul(copy_bw: float) -> None:
     del weights
 
 
+def decode_layers(batch: int, layers: int, hq: int = 32, hkv: int = 8, d: int = 128) -> list[dict[str, Any]]:
+    """`layers` distinct decode layers of `batch` sequences over W1-like contexts (uniform in [96, 1536], drawn
+    from the batch size): each a paged cache, its tensors (`kv`, `bt`, `sl`, `qsl`), the new tokens' positions
+    and slots, and the longest-first order the engine stages."""
+    block_size = 16
+    ctx = torch.randint(96, 1537, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    out = []
+    for i in range(layers):
+        _, kv, bt, sl, qsl = paged_batch([1] * batch, ctx, hq, hkv, d, block_size, seed=i)
+        pos = (sl - 1).long()
+        slots = bt.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+        order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+        out.append({"kv": kv, "bt": bt, "sl": sl, "qsl": qsl, "pos": pos, "slots": slots, "order": order})
+    return out
+
+
+RESIDUAL_ROWS = (8, 32, 96, 176, 256, 2048, 8192)
+
+
+def residual(copy_bw: float) -> None:
+    """The residual add of o_proj and down_proj two ways, at the 8B shape, in CUDA graphs over weight copies: the
+    matmul, then the RMSNorm that adds the residual (reads two tensors, writes two: the engine's way), against the
+    matmul accumulating into the residual stream (cuBLAS's beta = 1: `residual.addmm_(x, w.t())`), then a plain
+    RMSNorm of it (reads one, writes one)."""
+    h = 4096
+    g = torch.randn(h, device=DEV, dtype=DT)
+    for name, n, k in (("o", h, 4096), ("down", h, 14336)):
+        ws = weight_copies(n, k)
+        for m in RESIDUAL_ROWS:
+            x = torch.randn(m, k, device=DEV, dtype=DT) / k**0.5
+            res = torch.randn(m, h, device=DEV, dtype=DT)
+            # Correctness of the accumulating form against fp32 (the residual stream itself changes each replay).
+            want = res.float() + x.float() @ ws[0].float().t()
+            got = res.clone().addmm_(x, ws[0].t())
+            check(f"addmm residual {name} m={m} vs fp32", rel_err(got, want), 1e-2)
+
+            def unfused(w: torch.Tensor, x: torch.Tensor = x, res: torch.Tensor = res) -> None:
+                tk.rms_norm(F.linear(x, w), g, 1e-5, res)
+
+            def fused(w: torch.Tensor, x: torch.Tensor = x, res: torch.Tensor = res) -> None:
+                tk.rms_norm(res.addmm_(x, w.t()), g, 1e-5)
+
+            ms_mm = graph_ms([lambda w=w, x=x: F.linear(x, w) for w in ws])
+            ms_addmm = graph_ms([lambda w=w, x=x, res=res: res.addmm_(x, w.t()) for w in ws])
+            ms_unfused = graph_ms([lambda w=w: unfused(w) for w in ws])
+            ms_fused = graph_ms([lambda w=w: fused(w) for w in ws])
+            row = {
+                "layer": name,
+                "m": m,
+                "us_mm": 1e3 * ms_mm,
+                "us_addmm": 1e3 * ms_addmm,
+                "us_mm_then_norm_with_residual": 1e3 * ms_unfused,
+                "us_addmm_then_norm": 1e3 * ms_fused,
+            }
+            RESULTS["residual"].append(row)
+            print(
+                f"residual {name} m={m}: mm {row['us_mm']:.1f} us, addmm {row['us_addmm']:.1f}; mm + norm(+res) "
+                f"{row['us_mm_then_norm_with_residual']:.1f}, addmm + norm {row['us_addmm_then_norm']:.1f}",
+                flush=True,
+            )
+        del ws
+
+
+def overlap(copy_bw: float, layers: int = 6) -> None:
+    """A decode layer's attention block at the 8B shape (qkv, rotary + KV write, attention, o) as the engine runs
+    it, one kernel after the other, against the same work cut by KV-head groups, each group on a stream of its
+    own: group g's qkv starts once group g-1's is done, so it runs beside g-1's attention (compute beside
+    memory), and o_proj is summed over the groups' columns as their attention ends. No weight is read twice.
+    W1-like contexts (uniform in [96, 1536]), `layers` distinct layers a graph so that nothing stays in the L2."""
+    hq, hkv, d, hidden = 32, 8, 128, 4096
+    scale = d**-0.5
+    cos_sin = torch.randn(4096, d, device=DEV)
+    # The groups' streams at the default priority, and at a higher one (so that a group's matmul is given SMs
+    # before the rest of the previous group's attention programs).
+    stream_sets = {
+        "": [torch.cuda.Stream() for _ in range(4)],
+        "_prio": [torch.cuda.Stream(priority=-1) for _ in range(4)],
+    }
+    for batch in (256, 192, 128, 64, 32):
+        sets = decode_layers(batch, layers)
+        ctx = (sets[0]["sl"] - 1).tolist()
+        for s in sets:
+            s["wqkv"] = torch.randn((hq + 2 * hkv) * d, hidden, device=DEV, dtype=DT) / hidden**0.5
+            s["wo"] = torch.randn(hidden, hq * d, device=DEV, dtype=DT) / (hq * d) ** 0.5
+        for s in sets:  # each group's rows of W_qkv (its q, k and v heads) and columns of W_o, contiguous
+            w = s["wqkv"]
+            for groups in (1, 2, 4):
+                qs, ks = hq * d // groups, hkv * d // groups
+                s[f"groups_{groups}"] = [
+                    (
+                        torch.cat(
+                            (
+                                w[g * qs : (g + 1) * qs],
+                                w[hq * d + g * ks :][:ks],
+                                w[(hq + hkv) * d + g * ks :][:ks],
+                            )
+                        ),
+                        s["wo"][:, g * qs : (g + 1) * qs].contiguous(),
+                    )
+                    for g in range(groups)
+                ]
+        x = torch.randn(batch, hidden, device=DEV, dtype=DT)
+
+        def block(
+            s: dict[str, Any],
+            groups: int,
+            streams: list[torch.cuda.Stream],
+            x: torch.Tensor = x,
+            batch: int = batch,
+        ) -> torch.Tensor:
+            """The attention block over `groups` KV-head groups (1: the engine's sequence of kernels)."""
+            gkv, gq = hkv // groups, hq // groups
+            qs, ks = gq * d, gkv * d
+            cur = torch.cuda.current_stream()
+            done_qkv: list[torch.cuda.Event] = []
+            done_attn: list[torch.cuda.Event] = []
+            outs = []
+            for g, (wg, _) in enumerate(s[f"groups_{groups}"]):
+                st = cur if g == 0 else streams[g]
+                if g:
+                    st.wait_stream(cur)  # forks from the capturing stream (x is ready)
+                    st.wait_event(done_qkv[-1])  # and starts its matmul once the last group's is done
+                with torch.cuda.stream(st):
+                    qkv = F.linear(x, wg)
+                    done_qkv.append(torch.cuda.Event())
+                    done_qkv[-1].record(st)
+                    q, k, v = qkv.split([qs, ks, ks], dim=-1)
+                    kvg = s["kv"][:, :, :, g * gkv : (g + 1) * gkv]
+                    q = tk.rotary_write_kv(
+                        s["pos"], q.view(batch, gq, d), k.view(batch, gkv, d), v.view(batch, gkv, d),
+                        cos_sin, kvg, s["slots"],
+                    )  # fmt: skip
+                    a = tk.paged_attention(
+                        q, kvg, s["bt"], s["sl"], s["qsl"], scale, max_query_len=1, max_seq_len=2048,
+                        seq_order=s["order"],
+                    )  # fmt: skip
+                    done_attn.append(torch.cuda.Event())
+                    done_attn[-1].record(st)
+                    outs.append(a.view(batch, qs))
+            o = None
+            for g, (_, wo) in enumerate(s[f"groups_{groups}"]):
+                cur.wait_event(done_attn[g])  # also joins group g's stream back into the capture
+                o = F.linear(outs[g], wo) if o is None else o.addmm_(outs[g], wo.t())
+            return o
+
+        want = block(sets[0], 1, []).float()
+        row: dict[str, Any] = {"batch": batch, "ctx_mean": sum(ctx) / batch}
+        row["us_groups_1"] = 1e3 * graph_ms([lambda s=s: block(s, 1, []) for s in sets])
+        for groups in (2, 4):
+            for tag, streams in stream_sets.items():
+                got = block(sets[0], groups, streams)
+                check(f"attention block, {groups} groups{tag}, {batch} rows, vs 1", rel_err(got, want), 1e-2)
+                row[f"us_groups_{groups}{tag}"] = 1e3 * graph_ms(
+                    [lambda s=s, g=groups, st=streams: block(s, g, st) for s in sets]
+                )
+        RESULTS["overlap"].append(row)
+        print(
+            f"overlap {batch} x ~{row['ctx_mean']:.0f}: attention block a layer "
+            + ", ".join(f"{k.removeprefix('us_')} {v:.1f} us" for k, v in row.items() if k.startswith("us_")),
+            flush=True,
+        )
+        del sets
+        torch.cuda.empty_cache()
+
+
+def decode_fused(copy_bw: float, layers: int = 8) -> None:
+    """A decode step's attention from its QKV projection, as the engine ran it (the rotary + KV write launch,
+    then attention) against one launch (`new_kv`: the decode programs rotate q and k, write the new K/V and
+    attend to the new token from registers), on W1-like contexts (uniform in [96, 1536]) at the 8B shape, in
+    CUDA graphs over `layers` distinct caches; the outputs and caches of the two against each other."""
+    hq, hkv, d = 32, 8, 128
+    scale = d**-0.5
+    cos_sin = torch.randn(4096, d, device=DEV)
+    for batch in (256, 192, 128, 64, 32, 8):
+        sets = decode_layers(batch, layers)
+        ctx = (sets[0]["sl"] - 1).tolist()
+        for s in sets:
+            s["qkv"] = torch.randn(batch, hq + 2 * hkv, d, device=DEV, dtype=DT).split([hq, hkv, hkv], dim=1)
+
+        def two(s: dict[str, Any]) -> torch.Tensor:
+            q, k, v = s["qkv"]
+            q = tk.rotary_write_kv(s["pos"], q, k, v, cos_sin, s["kv"], s["slots"])
+            return tk.paged_attention(
+                q, s["kv"], s["bt"], s["sl"], s["qsl"], scale, max_query_len=1, max_seq_len=2048,
+                seq_order=s["order"],
+            )  # fmt: skip
+
+        def one(s: dict[str, Any]) -> torch.Tensor:
+            q, k, v = s["qkv"]
+            return tk.paged_attention(
+                q, s["kv"], s["bt"], s["sl"], s["qsl"], scale, max_query_len=1, max_seq_len=2048,
+                seq_order=s["order"],
+                new_kv=tk.NewKV(k, v, s["pos"], cos_sin, s["slots"]),
+            )  # fmt: skip
+
+        s0 = sets[0]
+        kv_before = s0["kv"].clone()
+        want = two(s0).float()
+        kv_two = s0["kv"].clone()
+        s0["kv"].copy_(kv_before)
+        check(f"decode new_kv {batch} x ~{sum(ctx) // batch} vs two launches", rel_err(one(s0), want), 5e-3)
+        check(f"decode new_kv {batch}: the cache vs two launches", rel_err(s0["kv"], kv_two), 1e-3)
+        kv_bytes = sum(c + 1 for c in ctx) * hkv * d * 2 * 2
+        row = {
+            "batch": batch,
+            "ctx_mean": sum(ctx) / batch,
+            "kv_bytes": kv_bytes,
+            "us_two_launches": 1e3 * graph_ms([lambda s=s: two(s) for s in sets]),
+            "us_one_launch": 1e3 * graph_ms([lambda s=s: one(s) for s in sets]),
+        }
+        RESULTS["decode_fused"].append(row)
+        print(
+            f"decode from QKV {batch} x ~{row['ctx_mean']:.0f}: rotary + attention {row['us_two_launches']:.1f} us, "
+            f"one launch {row['us_one_launch']:.1f} us ({kv_bytes / row['us_one_launch'] / 1e6:.2f} TB/s)",
+            flush=True,
+        )
+        del sets
+        torch.cuda.empty_cache()
+
+
 def table() -> str:
     """The summary table, measured figures only."""
     lines = [
@@ -833,6 +1071,12 @@ def main() -> None:
         gemv(copy_bw, args.quick)
     if "matmul" in run:
         matmul(copy_bw)
+    if "residual" in run:
+        residual(copy_bw)
+    if "overlap" in run:
+        overlap(copy_bw)
+    if "decode_fused" in run:
+        decode_fused(copy_bw)
     text = table()
     RESULTS["table"] = text
     write_json(Path(args.out) / "kernels-h200.json", RESULTS)
