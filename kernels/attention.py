@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
 from .pdl import pdl_options, pdl_start
+from .rotary import rotate, rotation
 
 
 class NewKV(NamedTuple):
@@ -115,62 +116,21 @@ def _attend_tiles(
 
 
 @triton.jit
-def _rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM: tl.constexpr):
-    """Token t's rotary angles spread over a head's dims: cos and sin of dim d's pair, the dim each d pairs
-    with (d + D/2 mod D), and whether d is in the lower half."""
-    half: tl.constexpr = HEAD_DIM // 2
-    offs_d = tl.arange(0, HEAD_DIM)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % half)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d % half)
-    return cos, sin, (offs_d + half) % HEAD_DIM, offs_d < half
-
-
-@triton.jit
-def _rotate(x, x_pair, cos, sin, lower):
-    """Neox rotary in fp32: x1 cos - x2 sin in the lower half, x2 cos + x1 sin in the upper one."""
-    x = x.to(tl.float32)
-    x_pair = x_pair.to(tl.float32)
-    return tl.where(lower, x * cos - x_pair * sin, x * cos + x_pair * sin)
-
-
-@triton.jit
 def _attend_new_token(
-    acc,
-    l_i,
-    m_i,
-    q,
-    kv_ptr,
-    stride_kv,
-    k_new_ptr,
-    v_new_ptr,
-    slot_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    t,
-    kv_head,
-    stride_knt,
-    stride_knh,
-    stride_vnt,
-    stride_vnh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_cs,
-    qk_scale,
-    present,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
+    acc, l_i, m_i, q, kv_ptr, stride_kv, k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, cos_sin_ptr, t, kv_head,
+    stride_nt, stride_nh, stride_kb, stride_kt, stride_kh, stride_cs, qk_scale, present,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
     """Online-softmax update with a decode's own new token (`present`: not a padding row), its key rotated
     and both rounded to the cache's dtype as the cache would hold them; they are written into the token's slot
     too (unless it is negative). The angles are read again rather than kept live through the KV loop."""
     offs_d = tl.arange(0, HEAD_DIM)
-    cos, sin, partner, lower = _rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM)
-    k_row = k_new_ptr + t.to(tl.int64) * stride_knt + kv_head * stride_knh
+    cos, sin, partner, lower = rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM)
+    row = t.to(tl.int64) * stride_nt + kv_head * stride_nh
+    k_row = k_new_ptr + row
     dtype = kv_ptr.dtype.element_ty
-    k = _rotate(tl.load(k_row + offs_d), tl.load(k_row + partner), cos, sin, lower).to(dtype)
-    v = tl.load(v_new_ptr + t.to(tl.int64) * stride_vnt + kv_head * stride_vnh + offs_d).to(dtype)
+    k = rotate(tl.load(k_row + offs_d), tl.load(k_row + partner), cos, sin, lower).to(dtype)
+    v = tl.load(v_new_ptr + row + offs_d).to(dtype)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         dst = (
@@ -216,10 +176,8 @@ def _paged_attn_kernel(
     stride_kt,
     stride_kh,
     stride_bt,
-    stride_knt,
-    stride_knh,
-    stride_vnt,
-    stride_vnh,
+    stride_nt,
+    stride_nh,
     stride_cs,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -296,9 +254,9 @@ def _paged_attn_kernel(
     if NEW_KV:
         kv_len = seq_len - 1
         tile_pos = q_pos - 1
-        cos, sin, partner, lower = _rotation(pos_ptr, cos_sin_ptr, q_start, stride_cs, HEAD_DIM)
+        cos, sin, partner, lower = rotation(pos_ptr, cos_sin_ptr, q_start, stride_cs, HEAD_DIM)
         q_pair = tl.load(q_off + partner[None, :], mask=row_ok[:, None], other=0.0)
-        q = _rotate(q, q_pair, cos[None, :], sin[None, :], lower[None, :]).to(q.dtype)
+        q = rotate(q, q_pair, cos[None, :], sin[None, :], lower[None, :]).to(q.dtype)
 
     # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
     first_pos = ctx_len + q_block * BLOCK_Q
@@ -367,8 +325,8 @@ def _paged_attn_kernel(
         if split == num_splits - 1:
             acc, l_i, m_i = _attend_new_token(
                 acc, l_i, m_i, q, kv_ptr, stride_kv, k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, cos_sin_ptr, q_start,
-                kv_head, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kt, stride_kh, stride_cs,
-                qk_scale, seq_len > 0, BLOCK_SIZE, HEAD_DIM,
+                kv_head, stride_nt, stride_nh, stride_kb, stride_kt, stride_kh, stride_cs, qk_scale, seq_len > 0,
+                BLOCK_SIZE, HEAD_DIM,
             )  # fmt: skip
 
     if SPLIT_KV:
@@ -483,10 +441,8 @@ def paged_attention(
         pos_ptr=seq_lens,
         cos_sin_ptr=q,
         slot_ptr=seq_lens,
-        stride_knt=0,
-        stride_knh=0,
-        stride_vnt=0,
-        stride_vnh=0,
+        stride_nt=0,
+        stride_nh=0,
         stride_cs=0,
         NEW_KV=False,
         HEAD_DIM=head_dim,
@@ -499,9 +455,9 @@ def paged_attention(
     if new_kv is not None:
         k, v = new_kv.key, new_kv.value
         assert max_query_len == 1 and num_tokens == num_seqs, "new_kv is for decode batches only"
-        assert (
-            k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride(-1) == v.stride(-1) == 1
-        )
+        # k and v: views of one QKV projection, so with the same strides
+        assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride() == v.stride()
+        assert k.stride(-1) == 1
         cos_sin = new_kv.cos_sin_cache
         assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1
         common.update(
@@ -510,10 +466,8 @@ def paged_attention(
             pos_ptr=new_kv.positions,
             cos_sin_ptr=cos_sin,
             slot_ptr=new_kv.slot_mapping,
-            stride_knt=k.stride(0),
-            stride_knh=k.stride(1),
-            stride_vnt=v.stride(0),
-            stride_vnh=v.stride(1),
+            stride_nt=k.stride(0),
+            stride_nh=k.stride(1),
             stride_cs=cos_sin.stride(0),
             NEW_KV=True,
         )
