@@ -84,7 +84,8 @@ def run_paged():
 
 
 def _run_paged(model, prompts: list[list[int]], block_size: int, decode_steps: list[list[int]]):
-    """Prefill all prompts in one ragged batch, then decode the given tokens one step at a time.
+    """Prefill all prompts in one ragged batch, then decode the given tokens one step at a time (with the
+    staging's launch hints, so that decode steps take the model's decode path, as the engine's do).
 
     Returns the logits of every position of every prompt, then of each decode step: list per sequence."""
     cfg = model.cfg
@@ -104,11 +105,14 @@ def _run_paged(model, prompts: list[list[int]], block_size: int, decode_steps: l
             pos += list(rng)
             slots += [table[p // block_size] * block_size + p % block_size for p in rng]
             starts.append(starts[-1] + len(chunk))
+        seq_lens = [f + len(c) for f, c in zip(firsts, chunks, strict=True)]
         meta = AttentionMetadata(
             torch.tensor(slots),
             bt,
-            torch.tensor([f + len(c) for f, c in zip(firsts, chunks, strict=True)], dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
             torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(len(c) for c in chunks),
+            max_seq_len=max(seq_lens),
         )
         with torch.inference_mode():
             logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), cache, meta))

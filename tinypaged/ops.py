@@ -7,8 +7,9 @@ A slot is `block_id * block_size + offset`; token N of a sequence lives in slot
 
 Setting TRITON_INTERPRET=1 (before import) routes CPU tensors through the Triton kernels too, so that the
 kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 (or entering
-`torch_reference_ops()`) does the opposite: CUDA tensors go through the torch references, e.g. to check the
-kernels' numerics end to end on a GPU (the model runner then runs every step eagerly).
+`torch_reference_ops()`) does the opposite: every tensor goes through the torch references (CUDA ones, and CPU
+ones under the interpreter), e.g. to check the kernels' numerics end to end on a GPU (the model runner then runs
+every step eagerly) or under the interpreter.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ _GEMV_ROWS = 1
 
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernel (rather than the torch reference) handles this tensor."""
-    return (x.is_cuda and not _TORCH_OPS) or _INTERPRET
+    return not _TORCH_OPS and (x.is_cuda or _INTERPRET)
 
 
 @contextlib.contextmanager
 def torch_reference_ops() -> Iterator[None]:
-    """While active, CUDA tensors go through the torch references (as with TINYPAGED_TORCH_OPS=1)."""
+    """While active, every tensor goes through the torch references (as with TINYPAGED_TORCH_OPS=1)."""
     global _TORCH_OPS
     before, _TORCH_OPS = _TORCH_OPS, True
     try:
