@@ -423,6 +423,14 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     decode_cfg, prefill_cfg = configs or default_configs(q, g)
+    if new_kv is not None:
+        k, v, cos_sin = new_kv.key, new_kv.value, new_kv.cos_sin_cache
+        assert max_query_len == 1 and num_tokens == num_seqs, "new_kv is for decode batches only"
+        # k and v: views of one QKV projection, so with the same strides
+        assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride() == v.stride()
+        assert k.stride(-1) == 1
+        assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1
+    new = new_kv or NewKV(q, q, seq_lens, q, seq_lens)  # without it, placeholders the kernel never reads
     common = dict(
         qk_scale=scale * _LOG2E,
         num_seqs=num_seqs,
@@ -436,15 +444,15 @@ def paged_attention(
         stride_kh=kv_layer.stride(3),
         stride_bt=block_tables.stride(0),
         G=g,
-        k_new_ptr=q,
-        v_new_ptr=q,
-        pos_ptr=seq_lens,
-        cos_sin_ptr=q,
-        slot_ptr=seq_lens,
-        stride_nt=0,
-        stride_nh=0,
-        stride_cs=0,
-        NEW_KV=False,
+        k_new_ptr=new.key,
+        v_new_ptr=new.value,
+        pos_ptr=new.positions,
+        cos_sin_ptr=new.cos_sin_cache,
+        slot_ptr=new.slot_mapping,
+        stride_nt=new.key.stride(0),
+        stride_nh=new.key.stride(1),
+        stride_cs=new.cos_sin_cache.stride(0),
+        NEW_KV=new_kv is not None,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -452,26 +460,6 @@ def paged_attention(
     )
     tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
-    if new_kv is not None:
-        k, v = new_kv.key, new_kv.value
-        assert max_query_len == 1 and num_tokens == num_seqs, "new_kv is for decode batches only"
-        # k and v: views of one QKV projection, so with the same strides
-        assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride() == v.stride()
-        assert k.stride(-1) == 1
-        cos_sin = new_kv.cos_sin_cache
-        assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1
-        common.update(
-            k_new_ptr=k,
-            v_new_ptr=v,
-            pos_ptr=new_kv.positions,
-            cos_sin_ptr=cos_sin,
-            slot_ptr=new_kv.slot_mapping,
-            stride_nt=k.stride(0),
-            stride_nh=k.stride(1),
-            stride_cs=cos_sin.stride(0),
-            NEW_KV=True,
-        )
-
     if max_query_len > 1:
         cfg = prefill_cfg
         block_q = cfg.block_m // g
