@@ -7,10 +7,9 @@ then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/
 rotary / KV write / block copy bandwidth as fractions of the device-to-device copy bandwidth measured in the
 same run, the decode-step GEMV against torch's linear at the 8B shape's layers (weight bytes over time), and a
 decode step's linear layers through torch (cuBLAS) at 8-256 rows against their roofline, one layer's
-attention in a W1 step with prefill chunks (`--sections mixed_attention`), and three ways to cut a decode step:
-the residual add in cuBLAS's epilogue (`residual`), a layer's attention block by KV-head groups on streams
-(`overlap`), and decode attention from the QKV projection in one launch against rotary + attention
-(`decode_fused`).
+attention in a W1 step with prefill chunks (`--sections mixed_attention`), and two ways to cut a decode step:
+the residual add in cuBLAS's epilogue (`residual`) and a layer's attention block by KV-head groups on streams
+(`overlap`).
 Times are medians of `triton.testing.do_bench` (which clears the L2 between calls). Prints a table last and
 writes JSON.
 """
@@ -48,7 +47,6 @@ RESULTS: dict[str, Any] = {
     "matmul": [],
     "residual": [],
     "overlap": [],
-    "decode_fused": [],
     "sweeps": [],
 }
 SECTIONS = (
@@ -62,7 +60,6 @@ SECTIONS = (
     "matmul",
     "residual",
     "overlap",
-    "decode_fused",
 )
 
 
@@ -895,61 +892,6 @@ def overlap(copy_bw: float, layers: int = 6) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_fused(copy_bw: float, layers: int = 8) -> None:
-    """A decode step's attention from its QKV projection, as the engine ran it (the rotary + KV write launch,
-    then attention) against one launch (`new_kv`: the decode programs rotate q and k, write the new K/V and
-    attend to the new token from registers), on W1-like contexts (uniform in [96, 1536]) at the 8B shape, in
-    CUDA graphs over `layers` distinct caches; the outputs and caches of the two against each other."""
-    hq, hkv, d = 32, 8, 128
-    scale = d**-0.5
-    cos_sin = torch.randn(4096, d, device=DEV)
-    for batch in (256, 192, 128, 64, 32, 8):
-        sets = decode_layers(batch, layers)
-        ctx = (sets[0]["sl"] - 1).tolist()
-        for s in sets:
-            s["qkv"] = torch.randn(batch, hq + 2 * hkv, d, device=DEV, dtype=DT).split([hq, hkv, hkv], dim=1)
-
-        def two(s: dict[str, Any]) -> torch.Tensor:
-            q, k, v = s["qkv"]
-            q = tk.rotary_write_kv(s["pos"], q, k, v, cos_sin, s["kv"], s["slots"])
-            return tk.paged_attention(
-                q, s["kv"], s["bt"], s["sl"], s["qsl"], scale, max_query_len=1, max_seq_len=2048,
-                seq_order=s["order"],
-            )  # fmt: skip
-
-        def one(s: dict[str, Any]) -> torch.Tensor:
-            q, k, v = s["qkv"]
-            return tk.paged_attention(
-                q, s["kv"], s["bt"], s["sl"], s["qsl"], scale, max_query_len=1, max_seq_len=2048,
-                seq_order=s["order"],
-                new_kv=tk.NewKV(k, v, s["pos"], cos_sin, s["slots"]),
-            )  # fmt: skip
-
-        s0 = sets[0]
-        kv_before = s0["kv"].clone()
-        want = two(s0).float()
-        kv_two = s0["kv"].clone()
-        s0["kv"].copy_(kv_before)
-        check(f"decode new_kv {batch} x ~{sum(ctx) // batch} vs two launches", rel_err(one(s0), want), 5e-3)
-        check(f"decode new_kv {batch}: the cache vs two launches", rel_err(s0["kv"], kv_two), 1e-3)
-        kv_bytes = sum(c + 1 for c in ctx) * hkv * d * 2 * 2
-        row = {
-            "batch": batch,
-            "ctx_mean": sum(ctx) / batch,
-            "kv_bytes": kv_bytes,
-            "us_two_launches": 1e3 * graph_ms([lambda s=s: two(s) for s in sets]),
-            "us_one_launch": 1e3 * graph_ms([lambda s=s: one(s) for s in sets]),
-        }
-        RESULTS["decode_fused"].append(row)
-        print(
-            f"decode from QKV {batch} x ~{row['ctx_mean']:.0f}: rotary + attention {row['us_two_launches']:.1f} us, "
-            f"one launch {row['us_one_launch']:.1f} us ({kv_bytes / row['us_one_launch'] / 1e6:.2f} TB/s)",
-            flush=True,
-        )
-        del sets
-        torch.cuda.empty_cache()
-
-
 def table() -> str:
     """The summary table, measured figures only."""
     lines = [
@@ -1075,8 +1017,6 @@ def main() -> None:
         residual(copy_bw)
     if "overlap" in run:
         overlap(copy_bw)
-    if "decode_fused" in run:
-        decode_fused(copy_bw)
     text = table()
     RESULTS["table"] = text
     write_json(Path(args.out) / "kernels-h200.json", RESULTS)

@@ -1,7 +1,7 @@
 """Triton kernels of tinypaged, installed as `tinypaged.kernels`; `tinypaged.ops` is the facade over them."""
 
 from .activation import silu_and_mul
-from .attention import NewKV, paged_attention
+from .attention import paged_attention
 from .bitmask import apply_token_bitmask
 from .cache import copy_blocks, write_kv
 from .gemv import MAX_ROWS as gemv_max_rows
@@ -11,7 +11,6 @@ from .rotary import rotary_embedding, rotary_write_kv
 from .sampling import sample
 
 __all__ = [
-    "NewKV",
     "apply_token_bitmask",
     "copy_blocks",
     "gemv",

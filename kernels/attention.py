@@ -10,16 +10,11 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
 - Prefill mode (sequences with more than one new token): program = (query block, KV head); a query block
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
-- A decode batch can also come with its new tokens' q, k and v straight from the QKV projection (`new_kv`):
-  the decode programs rotate them, write the new K/V into the cache and attend to the new token from
-  registers, which saves a decode step the rotary kernel's launch in every layer.
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
 without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -27,18 +22,6 @@ import triton.language as tl
 
 from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
 from .pdl import pdl_options, pdl_start
-from .rotary import rotate, rotation
-
-
-class NewKV(NamedTuple):
-    """A decode batch's new tokens as the QKV projection left them (see `paged_attention`'s `new_kv`)."""
-
-    key: torch.Tensor  # [T, Hkv, D], not yet rotated
-    value: torch.Tensor  # [T, Hkv, D]
-    positions: torch.Tensor  # [T]
-    cos_sin_cache: torch.Tensor  # [max_pos, D] fp32: cos then sin (model/llama.py's rope_cos_sin_cache)
-    slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes (negative: nowhere)
-
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for the running max: a row or split that sees no key keeps l = 0 without NaNs.
@@ -115,39 +98,6 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _attend_new_token(
-    acc, l_i, m_i, q, kv_ptr, stride_kv, k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, cos_sin_ptr, t, kv_head,
-    stride_nt, stride_nh, stride_kb, stride_kt, stride_kh, stride_cs, qk_scale, present,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Online-softmax update with a decode's own new token (`present`: not a padding row), its key rotated
-    and both rounded to the cache's dtype as the cache would hold them; they are written into the token's slot
-    too (unless it is negative). The angles are read again rather than kept live through the KV loop."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    cos, sin, partner, lower = rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM)
-    row = t.to(tl.int64) * stride_nt + kv_head * stride_nh
-    k_row = k_new_ptr + row
-    dtype = kv_ptr.dtype.element_ty
-    k = rotate(tl.load(k_row + offs_d), tl.load(k_row + partner), cos, sin, lower).to(dtype)
-    v = tl.load(v_new_ptr + row + offs_d).to(dtype)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        dst = (
-            kv_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        )
-        tl.store(dst + offs_d, k)
-        tl.store(dst + stride_kv + offs_d, v)
-    qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
-    qk = tl.where(present, qk, float("-inf"))
-    m_new = tl.maximum(m_i, qk)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-    return acc, l_i, m_new
-
-
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
     q_ptr,
@@ -159,11 +109,6 @@ def _paged_attn_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     seq_order_ptr,
-    k_new_ptr,
-    v_new_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    slot_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -176,9 +121,6 @@ def _paged_attn_kernel(
     stride_kt,
     stride_kh,
     stride_bt,
-    stride_nt,
-    stride_nh,
-    stride_cs,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -189,16 +131,10 @@ def _paged_attn_kernel(
     SKIP_SINGLE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
-    NEW_KV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V.
-
-    With NEW_KV (decode only) q, and the new token's k and v, come as the QKV projection left them: q and k are
-    rotated here (`ops.ref_rotary_embedding`'s arithmetic), the tiles cover the context before the new token,
-    and the last split adds the new token from registers and writes its K/V into its slot (none when negative),
-    so nothing in the launch reads a slot it writes."""
+    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
     pdl_start(USE_PDL)
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
     # every KV head of their tokens) run side by side.
@@ -245,24 +181,17 @@ def _paged_attn_kernel(
     row_ok = (tok < BLOCK_Q) & (q_idx < q_len)
     q_pos = ctx_len + q_idx
     q_rows = (q_start + q_idx).to(tl.int64)
-    q_off = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_off + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    # The keys the tiles cover: all of the sequence's, or (NEW_KV) those before the new token; a row sees the
-    # tiles' keys up to `tile_pos`.
-    kv_len = seq_len
-    tile_pos = q_pos
-    if NEW_KV:
-        kv_len = seq_len - 1
-        tile_pos = q_pos - 1
-        cos, sin, partner, lower = rotation(pos_ptr, cos_sin_ptr, q_start, stride_cs, HEAD_DIM)
-        q_pair = tl.load(q_off + partner[None, :], mask=row_ok[:, None], other=0.0)
-        q = rotate(q, q_pair, cos[None, :], sin[None, :], lower[None, :]).to(q.dtype)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
 
     # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
     first_pos = ctx_len + q_block * BLOCK_Q
-    end = tl.minimum(first_pos + BLOCK_Q, kv_len)
+    end = tl.minimum(first_pos + BLOCK_Q, seq_len)
     n_tiles = tl.cdiv(end, BLOCK_N)
-    n_full = tl.minimum(tl.minimum(first_pos + 1, kv_len) // BLOCK_N, n_tiles)
+    n_full = tl.minimum((first_pos + 1) // BLOCK_N, n_tiles)
     if SPLIT_KV:
         per_split = tl.cdiv(n_tiles, num_splits)
         lo = tl.minimum(split * per_split, n_tiles)
@@ -281,12 +210,12 @@ def _paged_attn_kernel(
         l_i,
         m_i,
         q,
-        tile_pos,
+        q_pos,
         k_ptr,
         v_ptr,
         bt_row,
         kv_head_off,
-        kv_len,
+        seq_len,
         lo,
         tl.minimum(hi, n_full),
         stride_kb,
@@ -303,12 +232,12 @@ def _paged_attn_kernel(
         l_i,
         m_i,
         q,
-        tile_pos,
+        q_pos,
         k_ptr,
         v_ptr,
         bt_row,
         kv_head_off,
-        kv_len,
+        seq_len,
         tl.maximum(lo, n_full),
         hi,
         stride_kb,
@@ -320,14 +249,6 @@ def _paged_attn_kernel(
         True,
         DOT_PREC,
     )
-
-    if NEW_KV:
-        if split == num_splits - 1:
-            acc, l_i, m_i = _attend_new_token(
-                acc, l_i, m_i, q, kv_ptr, stride_kv, k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, cos_sin_ptr, q_start,
-                kv_head, stride_nt, stride_nh, stride_kb, stride_kt, stride_kh, stride_cs, qk_scale, seq_len > 0,
-                BLOCK_SIZE, HEAD_DIM,
-            )  # fmt: skip
 
     if SPLIT_KV:
         # Partials [num_splits, num_seqs, Hq, D] (unnormalised) and [2, num_splits, num_seqs, Hq] (m, l).
@@ -392,7 +313,6 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     configs: tuple[AttnConfig, AttnConfig] | None = None,
-    new_kv: NewKV | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`).
 
@@ -402,10 +322,6 @@ def paged_attention(
     `num_kv_splits` forces the decode split count (1 = no split-KV). `seq_order` `[B]` int32, a permutation of the
     sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
     result. `out` is an optional `[T, Hq, D]` output.
-
-    `new_kv`: a decode batch (one new token a sequence, `max_query_len` 1) whose q is not yet rotated and whose
-    new keys and values are not yet in the cache: the launch rotates q and k and writes k and v into their slots
-    too (semantics: `ops.ref_rotary_write_kv`, then this), saving the rotary launch of a decode step.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
@@ -423,14 +339,6 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     decode_cfg, prefill_cfg = configs or default_configs(q, g)
-    if new_kv is not None:
-        k, v, cos_sin = new_kv.key, new_kv.value, new_kv.cos_sin_cache
-        assert max_query_len == 1 and num_tokens == num_seqs, "new_kv is for decode batches only"
-        # k and v: views of one QKV projection, so with the same strides
-        assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and k.stride() == v.stride()
-        assert k.stride(-1) == 1
-        assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == head_dim and cos_sin.stride(-1) == 1
-    new = new_kv or NewKV(q, q, seq_lens, q, seq_lens)  # without it, placeholders the kernel never reads
     common = dict(
         qk_scale=scale * _LOG2E,
         num_seqs=num_seqs,
@@ -444,15 +352,6 @@ def paged_attention(
         stride_kh=kv_layer.stride(3),
         stride_bt=block_tables.stride(0),
         G=g,
-        k_new_ptr=new.key,
-        v_new_ptr=new.value,
-        pos_ptr=new.positions,
-        cos_sin_ptr=new.cos_sin_cache,
-        slot_ptr=new.slot_mapping,
-        stride_nt=new.key.stride(0),
-        stride_nh=new.key.stride(1),
-        stride_cs=new.cos_sin_cache.stride(0),
-        NEW_KV=new_kv is not None,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -460,6 +359,7 @@ def paged_attention(
     )
     tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
+
     if max_query_len > 1:
         cfg = prefill_cfg
         block_q = cfg.block_m // g

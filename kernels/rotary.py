@@ -53,28 +53,6 @@ def _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF: tl.constexpr, BLOCK_HALF: tl
 
 
 @triton.jit
-def rotation(pos_ptr, cos_sin_ptr, t, stride_cs, HEAD_DIM: tl.constexpr):
-    """Token t's rotary angles spread over a whole head `[HEAD_DIM]` (for a kernel that holds heads as whole
-    rows, as attention's dot products need them): cos and sin of dim d's pair, the dim each d pairs with
-    (d + D/2 mod D), and whether d is in the lower half."""
-    half: tl.constexpr = HEAD_DIM // 2
-    offs_d = tl.arange(0, HEAD_DIM)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d % half)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d % half)
-    return cos, sin, (offs_d + half) % HEAD_DIM, offs_d < half
-
-
-@triton.jit
-def rotate(x, x_pair, cos, sin, lower):
-    """Neox rotary of whole rows in fp32, given each dim's pair (`rotation`): x1 cos - x2 sin in the lower half,
-    x2 cos + x1 sin in the upper one, as `_rotate_heads` computes them."""
-    x = x.to(tl.float32)
-    x_pair = x_pair.to(tl.float32)
-    return tl.where(lower, x * cos - x_pair * sin, x * cos + x_pair * sin)
-
-
-@triton.jit
 def _rotary_kernel(
     pos_ptr,
     q_ptr,

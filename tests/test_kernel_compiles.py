@@ -106,7 +106,7 @@ _PDL_KERNELS = {
     "rotary._rotary_write_kv_kernel": {"BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
-        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "NEW_KV": True, "DOT_PREC": "tf32",
+        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32",
     },
     "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
 }  # fmt: skip
@@ -116,7 +116,7 @@ def _arg_type(name: str) -> str:
     if name.endswith("_ptr"):
         if any(s in name for s in ("loc", "lens", "order", "tables", "slot", "pos")):
             return "*i32"
-        return "*fp32" if name.startswith("part_") or name in ("cache_ptr", "cos_sin_ptr") else "*bf16"
+        return "*fp32" if name.startswith("part_") or name == "cache_ptr" else "*bf16"
     return "fp32" if name in ("eps", "qk_scale") else "i32"
 
 

@@ -401,44 +401,6 @@ def paged_attention(
     return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
 
 
-def decode_attention(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_layer: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_seq_len: int | None = None,
-    seq_order: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decode batch's attention (one new token a sequence) from its QKV projection: `rotary_write_kv`, then
-    `paged_attention`, which the Triton kernel does in one launch."""
-    if uses_triton(q):
-        from tinypaged.kernels import NewKV
-        from tinypaged.kernels import paged_attention as kernel
-
-        return kernel(
-            q,
-            kv_layer,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            seq_order=seq_order,
-            new_kv=NewKV(k, v, positions, cos_sin_cache, slot_mapping),
-        )
-    q = ref_rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping)
-    return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
-
-
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy-on-write: copy many (src, dst) blocks across all layers at once (see `ref_copy_blocks`)."""
     if block_mapping.numel() == 0:

@@ -1,6 +1,6 @@
 """The model's forward pass through the Triton kernels (interpreter) against the torch references, on a tiny random
-Llama: a ragged prefill, then decode steps, whose attention comes from the QKV projection in one launch
-(`ops.decode_attention`) as the engine's decode steps run it."""
+Llama: a ragged prefill, then decode steps, with the staging's launch hints (so that decode steps take the decode
+kernels' path, as the engine's do)."""
 
 from __future__ import annotations
 

@@ -100,14 +100,18 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        context = (meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
-        hints = {"max_seq_len": meta.max_seq_len, "seq_order": meta.decode_order}
-        if meta.max_query_len == 1:  # a decode batch: rotary, KV write and attention in one launch
-            new = (positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping)
-            out = ops.decode_attention(*new, *context, **hints)
-        else:
-            q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping)
-            out = ops.paged_attention(q, kv_layer, *context, max_query_len=meta.max_query_len, **hints)
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            kv_layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            seq_order=meta.decode_order,
+        )
         return self.tp.all_reduce(linear(self.o_proj, out.view(t, self.q_size)))
 
 
