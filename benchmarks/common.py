@@ -27,7 +27,6 @@ from tinypaged import LLM, SamplingParams, ops
 from tinypaged.config import ModelConfig
 from tinypaged.engine.request import Prompt
 from tinypaged.engine.stats import StepResult, StepStats
-from tinypaged.llm import final_only
 from tinypaged.outputs import RequestOutput
 
 COPY_TBPS = 4.28  # H200 device-to-device copy, measured (BENCHMARKS.md, "Targets")
@@ -118,28 +117,24 @@ def generate_with_stats(
     time_device: bool = True,
     cold: bool = True,
 ) -> tuple[list[RequestOutput], list[StepStats]]:
-    """What `LLM.generate` does (every request checked, then queued, then steps until all finish), keeping
-    every step's statistics; the outputs come back in the prompts' order. With `cold`, the prefix cache is
-    emptied first: a workload run again on the same engine starts as cold as the first time."""
-    engine = llm.engine
+    """`LLM.generate` (its own steps, `LLM.batch_steps`), keeping every step's statistics; the outputs come back
+    in the prompts' order. With `time_device` the runner times each forward pass on the device meanwhile (CUDA
+    only). With `cold`, the prefix cache is emptied first: a workload run again on the same engine starts as
+    cold as the first time."""
     if cold:
         llm.reset_prefix_cache()
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    params = final_only(params)
-    prefix = f"bench-{time.monotonic_ns()}-"
-    requests = [
-        engine.process_inputs(f"{prefix}{i}", p, sp)
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-    ]
-    for request in requests:
-        engine.add(request)
+    runner = llm.engine.runner
+    before, runner.time_device = runner.time_device, time_device
+    ids: list[str] = []
     done: dict[str, RequestOutput] = {}
     stats: list[StepStats] = []
-    for result in run_steps(llm, time_device):
-        stats.append(result.stats)
-        done.update((o.request_id, o) for o in result.outputs if o.finished)
-    return [done[r.request_id] for r in requests], stats
+    try:
+        for result in llm.batch_steps(prompts, params, ids):
+            stats.append(result.stats)
+            done.update((o.request_id, o) for o in result.outputs if o.finished)
+    finally:
+        runner.time_device = before
+    return [done[rid] for rid in ids], stats
 
 
 def device_times(stats: list[StepStats]) -> dict[int, float]:

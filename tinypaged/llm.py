@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.inputs import wait_grammar
 from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.request import Prompt
+from tinypaged.engine.request import EngineRequest, Prompt
+from tinypaged.engine.stats import StepResult
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -57,8 +58,29 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched; outputs come back in the prompts' order.
 
-        All requests are checked (their grammars compiled) before any runs, so a bad one raises RequestError
-        (a ValueError naming the parameter) and nothing is left queued.
+        A bad request raises RequestError (a ValueError naming the parameter) and leaves nothing queued: the
+        requests queued before it are aborted, their blocks freed; so is the rest of the batch when a step fails
+        (StepError).
+        """
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        for result in self.batch_steps(prompts, sampling_params, ids):
+            done.update((out.request_id, out) for out in result.outputs if out.finished)
+        return [done[rid] for rid in ids]
+
+    def batch_steps(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        request_ids: list[str],
+    ) -> Iterator[StepResult]:
+        """`generate`'s engine steps, each StepResult as it comes (finished outputs only); `request_ids` gets the
+        batch's ids in the prompts' order as they are queued.
+
+        The requests that can fill the first step are checked and queued first and that step is launched;
+        under async scheduling the rest are checked while the device runs it. A step takes waiting requests
+        first come, first served up to its budget, so the steps are those of the batch queued whole (unless
+        prefix-cache hits leave the first step room for more prompts, which then start a step later).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -74,21 +96,45 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         params = final_only(params)
         first = self._next_id
-        requests = [
-            self.engine.process_inputs(str(first + i), prompt, sp)
-            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
-        self._next_id += len(requests)
-        for request in requests:  # their grammars compile in parallel; a bad one is refused before any runs
+        self._next_id += len(prompts)
+        pending = iter(enumerate(zip(prompts, params, strict=True)))
+        try:
+            self._queue(request_ids, self._first_step(pending, first))
+            if len(request_ids) < len(prompts):
+                yield self.engine.step()
+                rest = [self.engine.process_inputs(str(first + i), p, sp) for i, (p, sp) in pending]
+                self._queue(request_ids, rest)
+            while self.engine.has_unfinished_requests():
+                yield self.engine.step()
+        except BaseException:  # a bad request, a failed step, or the caller leaving: none of the batch stays
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+
+    def _first_step(
+        self, pending: Iterator[tuple[int, tuple[Prompt, SamplingParams]]], first: int
+    ) -> list[EngineRequest]:
+        """Check requests from `pending` until they hold more prompt tokens or sequences than one step takes (or
+        none are left): enough that the first step schedules what it would with the whole batch waiting."""
+        cfg = self.config
+        checked: list[EngineRequest] = []
+        tokens = seqs = 0
+        for i, (prompt, sp) in pending:
+            checked.append(self.engine.process_inputs(str(first + i), prompt, sp))
+            tokens += len(checked[-1].prompt_token_ids)
+            seqs += sp.num_seqs
+            if tokens > cfg.max_num_batched_tokens or seqs > cfg.max_num_seqs:
+                break
+        return checked
+
+    def _queue(self, request_ids: list[str], checked: list[EngineRequest]) -> None:
+        """Queue checked requests once each grammar has compiled (they compile in parallel; a bad one is refused
+        before any of `checked` is queued)."""
+        for request in checked:
             wait_grammar(request)
-        for request in requests:
+        for request in checked:
             self.engine.add(request)
-        done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step().outputs:
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[r.request_id] for r in requests]
+            request_ids.append(request.request_id)
 
 
 def final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:

@@ -277,3 +277,81 @@ def test_bad_sampling_params(kwargs: dict, message: str) -> None:
     with pytest.raises(RequestError, match=message) as err:
         SamplingParams(**kwargs)
     assert err.value.param == message
+
+
+@pytest.fixture(scope="module")
+def small_steps(model_dir) -> LLM:
+    """Steps of at most 48 tokens under async scheduling: a batch of a few prompts spans several steps."""
+    return LLM(model=model_dir, seed=0, max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=True)
+
+
+def batch(n: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(5, 40, (n,), generator=gen).tolist()
+    prompts = [{"prompt_token_ids": torch.randint(0, 1000, (k,), generator=gen).tolist()} for k in lens]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0.8, seed=i)
+              for i, m in enumerate(torch.randint(1, 8, (n,), generator=gen))]  # fmt: skip
+    return prompts, params
+
+
+def step_shapes(
+    llm: LLM, prompts: list[dict], params: list[SamplingParams], whole: bool
+) -> tuple[list, list]:
+    """The steps' shapes and the outputs, the batch queued by `generate` (`whole` False) or all of it queued first."""
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    if whole:
+        ids = [f"whole-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, params, strict=True):
+            engine.add(engine.process_inputs(rid, p, sp))
+        results = []
+        while engine.has_unfinished_requests():
+            results.append(engine.step())
+    else:
+        ids = []
+        results = list(llm.batch_steps(prompts, params, ids))
+    done = {o.request_id: o for r in results for o in r.outputs if o.finished}
+    shapes = [(r.stats.num_seqs, r.stats.num_prefill_tokens, r.stats.num_decode_tokens) for r in results]
+    return shapes, [done[rid].outputs[0].token_ids for rid in ids]
+
+
+def logging(obj: object, name: str, log: list[str], monkeypatch) -> None:
+    """Record each call of `obj.name` in `log`."""
+    f = getattr(obj, name)
+
+    def logged(*args, **kwargs):
+        log.append(name)
+        return f(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, logged)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_first_step_runs_while_the_rest_is_checked(small_steps: LLM, seed: int, monkeypatch) -> None:
+    """generate() checks just enough requests to fill a step, launches the step, then checks the rest; the steps
+    (and tokens) are those of the batch queued whole."""
+    prompts, params = batch(12, seed)
+    want = step_shapes(small_steps, prompts, params, whole=True)
+    log: list[str] = []
+    for name in ("process_inputs", "step"):
+        logging(small_steps.engine, name, log, monkeypatch)
+    assert step_shapes(small_steps, prompts, params, whole=False) == want
+    k = log.index("step")
+    tokens = [len(p["prompt_token_ids"]) for p in prompts]
+    assert sum(tokens[: k - 1]) <= 48 < sum(tokens[:k])
+    rest = len(prompts) - k
+    assert log[: k + rest + 2] == ["process_inputs"] * k + ["step"] + ["process_inputs"] * rest + ["step"]
+
+
+def test_a_bad_request_after_the_first_step_leaves_nothing(small_steps: LLM) -> None:
+    prompts, params = batch(10, 2)
+    bad = len(prompts) - 2
+    prompts[bad] = {"prompt_token_ids": [1, 10**9]}
+    engine = small_steps.engine
+    with pytest.raises(RequestError, match="out of range"):
+        small_steps.generate(prompts, params)
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    prompts[bad] = {"prompt_token_ids": [1, 2, 3]}
+    assert len(small_steps.generate(prompts, params)) == len(prompts)  # the engine goes on as before
