@@ -236,6 +236,7 @@ def copy_bandwidth() -> float:
 
 DECODE_CONFIGS = [
     AttnConfig(16, 64, 4, 3, 128),
+    AttnConfig(16, 64, 4, 2, 128),
     AttnConfig(16, 64, 4, 3),
     AttnConfig(16, 64, 4, 4, 128),
     AttnConfig(16, 32, 4, 4, 128),

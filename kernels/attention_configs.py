@@ -42,8 +42,10 @@ def _default_configs(
     rows = max(16, triton.next_power_of_2(g))
     if not is_cuda:  # TRITON_INTERPRET: small tiles, so that tiny test shapes span several of them
         return AttnConfig(rows, 16), AttnConfig(max(32, rows), 16)
-    # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md).
-    decode = AttnConfig(rows, 64, num_warps=4, num_stages=3, maxnreg=128)
+    # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md). The decode tile's two
+    # stages (three before) were chosen in the engine: W1 runs at the H200's power cap, where they were faster in
+    # the decode steps' graphs and in W1 (runs 45-48), with the same arithmetic (the same tokens).
+    decode = AttnConfig(rows, 64, num_warps=4, num_stages=2, maxnreg=128)
     if head_dim <= 64:
         prefill = AttnConfig(max(128, rows), 64, num_warps=4, num_stages=4)
     elif (
