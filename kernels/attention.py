@@ -294,7 +294,9 @@ def _reduce_kernel(
     l_s = tl.load(part_ml_ptr + num_splits * num_seqs * hq + part_row, mask=s_ok, other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    # A row that saw no key (a padding row: length 0) is zeros, as without splits, not 0 / 0.
+    denom = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 

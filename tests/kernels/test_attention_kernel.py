@@ -175,3 +175,21 @@ def test_split_choice(programs: int, max_splits: int, want: int) -> None:
     from tinypaged.kernels.attention_configs import splits_for_programs
 
     assert splits_for_programs(programs, 528, max_splits) == want
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_padding_rows_are_zeros(splits: int) -> None:
+    """A decode graph's padding rows (context length 0, one query token, slot -1) see no key: their output is
+    zeros with split-KV too (its reduce must not divide 0 by 0), and the real rows are as without them."""
+    q, kv, bt, seq_lens, qsl = make_batch([1] * 3, [20, 45, 7], 2, 4, 64, 16, torch.float32, seed=splits)
+    real = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits)
+    pad = 2
+    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:])])
+    bt_pad = torch.cat([bt, torch.zeros(pad, bt.shape[1], dtype=bt.dtype)])
+    lens_pad = torch.cat([seq_lens, torch.zeros(pad, dtype=seq_lens.dtype)])
+    qsl_pad = torch.arange(len(lens_pad) + 1, dtype=torch.int32)
+    out = torch.full_like(q_pad, float("nan"))
+    scale = q.shape[-1] ** -0.5
+    attention.paged_attention(q_pad, kv, bt_pad, lens_pad, qsl_pad, scale, out=out, num_kv_splits=splits)
+    assert (out[3:] == 0).all()
+    torch.testing.assert_close(out[:3], real, rtol=0, atol=0)
