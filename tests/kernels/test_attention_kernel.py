@@ -184,7 +184,7 @@ def test_decode_padding_rows_are_zeros(splits: int) -> None:
     q, kv, bt, seq_lens, qsl = make_batch([1] * 3, [20, 45, 7], 2, 4, 64, 16, torch.float32, seed=splits)
     real = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits)
     pad = 2
-    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:])])
+    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=torch.Generator().manual_seed(splits))])
     bt_pad = torch.cat([bt, torch.zeros(pad, bt.shape[1], dtype=bt.dtype)])
     lens_pad = torch.cat([seq_lens, torch.zeros(pad, dtype=seq_lens.dtype)])
     qsl_pad = torch.arange(len(lens_pad) + 1, dtype=torch.int32)
