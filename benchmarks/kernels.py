@@ -75,8 +75,8 @@ def bench(fn: Any) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def graph_ms(fns: list[Any], replays: int = 15) -> float:
-    """Median milliseconds per call of fns captured back to back in one CUDA graph (no host time in it)."""
+def capture(fns: list[Any]) -> torch.cuda.CUDAGraph:
+    """fns back to back in one CUDA graph (run once on a side stream first, as capture needs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -87,6 +87,12 @@ def graph_ms(fns: list[Any], replays: int = 15) -> float:
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
+    return graph
+
+
+def graph_ms(fns: list[Any], replays: int = 15) -> float:
+    """Median milliseconds per call of fns captured back to back in one CUDA graph (no host time in it)."""
+    graph = capture(fns)
     graph.replay()
     times = []
     for _ in range(replays):

@@ -62,9 +62,20 @@ from tinypaged import LLM
 from tinypaged.config import ModelConfig
 
 
-def roofline(cfg: ModelConfig, work: Work) -> dict[str, float]:
-    """Seconds the workload needs at the copy bandwidth (decode) and the matmul rate (prefill)."""
-    bw, rate = COPY_TBPS * 1e12, MATMUL_TFLOPS * 1e12
+def roofline(
+    cfg: ModelConfig,
+    work: Work,
+    copy_tbps: float = COPY_TBPS,
+    matmul_tflops: float = MATMUL_TFLOPS,
+    watts: tuple[float, float, float, float] | None = None,
+) -> dict[str, float]:
+    """Seconds the workload needs at the copy bandwidth (decode) and the matmul rate (prefill): DESIGN.md's
+    measured constants unless a board's own are given.
+
+    With `watts` = (idle, reading at the bandwidth, matmuls at the rate, the board's power limit), also the
+    power-capped estimate (benchmarks/energy.py): a decode step's bytes and FLOPs may overlap only as far as the
+    power they draw above idle fits under the limit, each costing the energy it costs alone."""
+    bw, rate = copy_tbps * 1e12, matmul_tflops * 1e12
     p = np.array([len(w[0]) for w in work], dtype=np.float64)
     o = np.array([w[1] for w in work], dtype=np.float64)
     weights, kvb = step_weight_bytes(cfg), kv_bytes_per_token(cfg)
@@ -72,7 +83,7 @@ def roofline(cfg: ModelConfig, work: Work) -> dict[str, float]:
         layer_params(cfg) - 2 * cfg.num_layers * cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
     )
     attn_flops_ctx = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers
-    decode_bytes_s = decode_strict_s = decode_per_op_s = 0.0
+    decode_bytes_s = decode_strict_s = decode_per_op_s = decode_capped_s = 0.0
     steps = 0
     for k in range(2, int(o.max()) + 1):  # output token k (the first comes from the prefill)
         live = o >= k
@@ -82,6 +93,10 @@ def roofline(cfg: ModelConfig, work: Work) -> dict[str, float]:
         t_flops = (n * flops_token + ctx * attn_flops_ctx) / rate
         decode_bytes_s += t_bytes
         decode_strict_s += max(t_bytes, t_flops)
+        if watts:
+            idle, reading, computing, limit = watts
+            energy = t_bytes * (reading - idle) + t_flops * (computing - idle)  # J above idle
+            decode_capped_s += max(t_bytes, t_flops, energy / (limit - idle))
         # Matmuls and attention run one after the other: each at its own floor.
         decode_per_op_s += max(weights / bw, n * flops_token / rate) + max(
             ctx * kvb / bw, ctx * attn_flops_ctx / rate
@@ -97,7 +112,7 @@ def roofline(cfg: ModelConfig, work: Work) -> dict[str, float]:
         "total_strict_s": decode_strict_s + prefill_s,
         "decode_per_op_s": decode_per_op_s,
         "total_per_op_s": decode_per_op_s + prefill_s,
-    }
+    } | ({"decode_capped_s": decode_capped_s, "total_capped_s": decode_capped_s + prefill_s} if watts else {})
 
 
 def run_ours(llm: LLM, work: Work, async_scheduling: bool = True) -> dict[str, Any]:
