@@ -1,24 +1,28 @@
-"""Energy per unit of work on one GPU, each kind of work sustained long enough to reach the board's power cap:
+"""Energy per unit of work on one GPU, each kind of work sustained long enough to reach the board's power limit:
 what W1's kernels spend against the plainest kernels that move the same bytes or do the same FLOPs.
 
     python3 benchmarks/energy.py [--model DIR] [--seconds S] [--out DIR]
+    python3 benchmarks/energy.py --from-json FILE      (a saved result's tables again, no GPU)
 
 Each block replays one CUDA graph back to back for S seconds (default 4) while nvidia-smi samples the board's
-power and SM clock every 20 ms; a block's energy is its power integrated over its last S - 1 seconds (the first
-is the power controller's ramp). Blocks:
-- idle; a device-to-device copy and a read-only reduction of 2 GiB (J per TB moved);
-- decode attention as W1 runs it: 32 layers of 256 sequences over contexts uniform in [96, 1536] (J per TB of
-  K/V read);
+power and SM clock every 20 ms; a block's power is the mean over its last S - 1 seconds (the first is the power
+controller's ramp). Blocks:
+- idle; 2 GiB read (summed) and copied by a Triton kernel of wide loads (J per TB moved);
+- decode attention as W1 runs it: 32 layers of 256 sequences over contexts uniform in [96, 1536], with the
+  engine's decode tile and two others (J per TB of K/V read);
 - a decode step's matmuls at the 8B shape (32 x qkv, o, gate_up, down, and the LM head, weights out of the L2) at
-  256, 128 and 64 rows (J per TB of weights, pJ per FLOP), and an 8192^3 bf16 matmul (pJ per FLOP);
-- with `--model`, W1 itself (seed 2, greedy), twice, against the strict roofline at DESIGN.md's constants and at
-  this board's measured ones (the copy and the 8192^3 matmul above).
-Prints a table last and writes `energy-h200.json`.
+  256, 192, 128 and 64 rows (J per TB of weights, pJ per FLOP), and an 8192^3 bf16 matmul (pJ per FLOP);
+- those matmuls beside the read on part of the SMs (two streams): each alone, then both at once;
+- with `--model`, W1 itself (seed 2, greedy), twice: against the strict roofline and the per-op floor at
+  DESIGN.md's constants, and against the power-capped estimate at this board's (`roofline` in throughput.py);
+  and its energy split by what its parts cost alone here.
+Prints the tables last and writes `energy-h200.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import threading
@@ -26,16 +30,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import COPY_TBPS, MATMUL_TFLOPS, generate_with_stats, greedy, make_workload, write_json
-from throughput import roofline
+from common import (
+    COPY_TBPS,
+    MATMUL_TFLOPS,
+    generate_with_stats,
+    greedy,
+    kv_bytes_per_token,
+    make_workload,
+    prefill_flops,
+    write_json,
+)
+from throughput import ideal_decode_steps, roofline
 
 import tinypaged.kernels as tk
 from kernels import GEMV_SHAPES, capture, decode_layers
 from tinypaged import LLM, ops
+from tinypaged.config import ModelConfig
+from tinypaged.weights.random_model import PRESETS
 
 DEV, DT = "cuda", torch.bfloat16
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,9 +315,10 @@ def attention(log: PowerLog, seconds: float, batch: int = 256, layers: int = 32)
     return res
 
 
-def matmuls(
-    log: PowerLog, seconds: float, st: Stream, rows: tuple[int, ...] = (256, 192, 128, 64)
-) -> list[dict]:
+MATMUL_ROWS = (256, 192, 128, 64)
+
+
+def matmuls(log: PowerLog, seconds: float, st: Stream, rows: tuple[int, ...] = MATMUL_ROWS) -> list[dict]:
     """A decode step's linear layers (32 of each, and the LM head), every weight its own tensor, as in the
     engine; then the 8192^3 matmul the roofline's FLOP rate comes from; then each of those beside a read."""
     layers = [s for s in GEMV_SHAPES if "tp2" not in s[0]]
@@ -382,6 +399,38 @@ def w1(log: PowerLog, model: str, constants: dict[str, Any], runs: int = 2) -> d
     return out
 
 
+def energy_parts(cfg: ModelConfig, res: dict[str, Any]) -> dict[str, float]:
+    """W1's measured energy split by what its work costs alone on this board (the blocks): the decode steps'
+    matmuls (each step's batch size interpolated between the blocks' row counts, extrapolated below the
+    smallest), decode attention (the ideal schedule's K/V bytes at the engine tile's J/TB) and the prefill's FLOPs
+    (at the 8192^3 matmul's pJ/FLOP). The rest is everything else: norms, SwiGLU, rotary, the prefill's attention
+    beyond that rate, sampling, gaps between kernels."""
+    by = {r["name"]: r for r in res["blocks"]}
+    work = make_workload(256, cfg.vocab_size, seed=2)
+    rows = sorted(MATMUL_ROWS)
+    joules = [by[f"decode matmuls, {m} rows"]["joules_per_replay"] for m in rows]
+    per_row = (joules[1] - joules[0]) / (rows[1] - rows[0])
+    xs, ys = [0, *rows], [joules[0] - rows[0] * per_row, *joules]
+    kv = sum(ctx for _, ctx in ideal_decode_steps(work)) * kv_bytes_per_token(cfg)
+    parts = {
+        "decode_matmuls_j": sum(float(np.interp(n, xs, ys)) for n, _ in ideal_decode_steps(work)),
+        "decode_attention_j": kv * by["decode attention, 256 x 32 layers, main"]["J_per_TB"] / 1e12,
+        "prefill_flops_j": sum(prefill_flops(cfg, len(p)) for p, _ in work)
+        * by["matmul 8192^3"]["pJ_per_flop"]
+        / 1e12,
+    }
+    runs = res["w1"]["runs"]
+    w1_j = sum(r["joules"] for r in runs) / len(runs)
+    w1_s = sum(r["elapsed_s"] for r in runs) / len(runs)
+    parts["sum_j"] = sum(parts.values())
+    return parts | {
+        "kv_tb": kv / 1e12,
+        "w1_j": w1_j,
+        "rest_j": w1_j - parts["sum_j"],
+        "sum_at_w1_power_s": parts["sum_j"] / (w1_j / w1_s),
+    }
+
+
 def table(res: dict[str, Any]) -> str:
     """The blocks and W1's runs as a markdown table."""
     cols = (
@@ -430,6 +479,15 @@ def table(res: dict[str, Any]) -> str:
                 + " | ".join(f"{100 * r['of_' + k.removesuffix('_s')]:.1f}%" for k in bounds)
                 + " |"
             )
+    parts = res.get("w1", {}).get("energy_parts")
+    if parts:
+        lines += ["", "| W1's energy | J |", "|---|---|"]
+        lines += [
+            f"| {k.removesuffix('_j').replace('_', ' ')} | {v:.0f} |"
+            for k, v in parts.items()
+            if k.endswith("_j")
+        ]
+        lines.append(f"| the parts alone at W1's mean power | {parts['sum_at_w1_power_s']:.2f} s |")
     return "\n".join(lines)
 
 
@@ -438,11 +496,19 @@ def main() -> None:
     parser.add_argument("--model", help="a model directory: also run W1")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "out")))
+    parser.add_argument("--from-json", help="a saved result: print its tables again (no GPU needed)")
     args = parser.parse_args()
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        if "w1" in res:  # runs before the model's config was saved ran the 8B preset
+            raw = res["w1"].get("model_config") or {"model_type": "llama", **PRESETS["llama-3.1-8b"]}
+            res["w1"]["energy_parts"] = energy_parts(ModelConfig.from_dict(Path("."), raw), res)
+        print(table(res))
+        return
     torch.manual_seed(0)
     ops.prefer_cublaslt()
     log = PowerLog()
-    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": []}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": []}
     res["power_field"] = log.field
     limit = ["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader,nounits"]
     res["power_limit_w"], res["max_sm_mhz"] = (
@@ -457,6 +523,8 @@ def main() -> None:
         res["constants"] = board(res)
         if args.model:
             res["w1"] = w1(log, args.model, res["constants"])
+            res["w1"]["model_config"] = json.loads((Path(args.model) / "config.json").read_text())
+            res["w1"]["energy_parts"] = energy_parts(ModelConfig.from_dir(args.model), res)
     finally:
         log.close()
         res["table"] = table(res)

@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,16 @@ from tinypaged import LLM
 from tinypaged.config import ModelConfig
 
 
+def ideal_decode_steps(work: Work) -> Iterator[tuple[int, float]]:
+    """The roofline's schedule after its prefill: every request decodes in step k (output token k; the first
+    comes from the prefill) while it has k tokens or more to produce. Yields (sequences, their total context)."""
+    p = np.array([len(w[0]) for w in work], dtype=np.float64)
+    o = np.array([w[1] for w in work], dtype=np.float64)
+    for k in range(2, int(o.max()) + 1):
+        live = o >= k
+        yield int(live.sum()), float((p[live] + k - 1).sum())
+
+
 def roofline(
     cfg: ModelConfig,
     work: Work,
@@ -76,8 +87,6 @@ def roofline(
     power-capped estimate (benchmarks/energy.py): a decode step's bytes and FLOPs may overlap only as far as the
     power they draw above idle fits under the limit, each costing the energy it costs alone."""
     bw, rate = copy_tbps * 1e12, matmul_tflops * 1e12
-    p = np.array([len(w[0]) for w in work], dtype=np.float64)
-    o = np.array([w[1] for w in work], dtype=np.float64)
     weights, kvb = step_weight_bytes(cfg), kv_bytes_per_token(cfg)
     flops_token = 2 * (
         layer_params(cfg) - 2 * cfg.num_layers * cfg.hidden_size + cfg.vocab_size * cfg.hidden_size
@@ -85,10 +94,7 @@ def roofline(
     attn_flops_ctx = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers
     decode_bytes_s = decode_strict_s = decode_per_op_s = decode_capped_s = 0.0
     steps = 0
-    for k in range(2, int(o.max()) + 1):  # output token k (the first comes from the prefill)
-        live = o >= k
-        ctx = float((p[live] + k - 1).sum())
-        n = int(live.sum())
+    for n, ctx in ideal_decode_steps(work):
         t_bytes = (weights + ctx * kvb) / bw
         t_flops = (n * flops_token + ctx * attn_flops_ctx) / rate
         decode_bytes_s += t_bytes
@@ -102,7 +108,7 @@ def roofline(
             ctx * kvb / bw, ctx * attn_flops_ctx / rate
         )
         steps += 1
-    prefill_s = sum(prefill_flops(cfg, int(n)) for n in p) / rate
+    prefill_s = sum(prefill_flops(cfg, len(w[0])) for w in work) / rate
     return {
         "decode_steps": steps,
         "decode_bytes_s": decode_bytes_s,
