@@ -48,12 +48,11 @@ from common import (
 from throughput import ideal_decode_steps, roofline
 
 import tinypaged.kernels as tk
-from kernels import GEMV_SHAPES, capture, decode_layers
+from kernels import DEV, DT, GEMV_SHAPES, capture, decode_layers
 from tinypaged import LLM, ops
 from tinypaged.config import ModelConfig
 from tinypaged.weights.random_model import PRESETS
 
-DEV, DT = "cuda", torch.bfloat16
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -147,10 +146,7 @@ def block_res(
 ) -> dict[str, Any]:
     """One block: `units` are what one replay of fns does (bytes, flops); the result adds their rates and the
     energy each costs."""
-    graph = capture(fns) if fns else None
-    if graph:
-        torch.cuda.synchronize()
-    res = sustain(log, graph, seconds) | {"name": name} | units
+    res = sustain(log, capture(fns) if fns else None, seconds) | {"name": name} | units
     if fns:
         joules = res["watts"] * res["ms"] * 1e-3
         res["joules_per_replay"] = joules
@@ -411,9 +407,10 @@ def energy_parts(cfg: ModelConfig, res: dict[str, Any]) -> dict[str, float]:
     joules = [by[f"decode matmuls, {m} rows"]["joules_per_replay"] for m in rows]
     per_row = (joules[1] - joules[0]) / (rows[1] - rows[0])
     xs, ys = [0, *rows], [joules[0] - rows[0] * per_row, *joules]
-    kv = sum(ctx for _, ctx in ideal_decode_steps(work)) * kv_bytes_per_token(cfg)
+    steps = list(ideal_decode_steps(work))
+    kv = sum(ctx for _, ctx in steps) * kv_bytes_per_token(cfg)
     parts = {
-        "decode_matmuls_j": sum(float(np.interp(n, xs, ys)) for n, _ in ideal_decode_steps(work)),
+        "decode_matmuls_j": sum(float(np.interp(n, xs, ys)) for n, _ in steps),
         "decode_attention_j": kv * by["decode attention, 256 x 32 layers, main"]["J_per_TB"] / 1e12,
         "prefill_flops_j": sum(prefill_flops(cfg, len(p)) for p, _ in work)
         * by["matmul 8192^3"]["pJ_per_flop"]

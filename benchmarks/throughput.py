@@ -93,6 +93,7 @@ def roofline(
     )
     attn_flops_ctx = 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers
     decode_bytes_s = decode_strict_s = decode_per_op_s = decode_capped_s = 0.0
+    idle, reading, computing, limit = watts or (0.0, 0.0, 0.0, 1.0)
     steps = 0
     for n, ctx in ideal_decode_steps(work):
         t_bytes = (weights + ctx * kvb) / bw
@@ -100,7 +101,6 @@ def roofline(
         decode_bytes_s += t_bytes
         decode_strict_s += max(t_bytes, t_flops)
         if watts:
-            idle, reading, computing, limit = watts
             energy = t_bytes * (reading - idle) + t_flops * (computing - idle)  # J above idle
             decode_capped_s += max(t_bytes, t_flops, energy / (limit - idle))
         # Matmuls and attention run one after the other: each at its own floor.
