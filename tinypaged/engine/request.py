@@ -40,6 +40,9 @@ class EngineRequest:
     params: SamplingParams
     # With params.structured_outputs: its grammar, compiling (or compiled) in the engine's grammar pool.
     grammar: Future[Grammar] | None = None
+    # The client request this is one prompt of (`SequenceGroup.client_request_id`): admission takes turns
+    # between client requests. None: a client request of its own.
+    client_request_id: str | None = None
 
 
 @dataclass
