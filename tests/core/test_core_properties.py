@@ -369,3 +369,35 @@ def test_single_prompt_request_waits_bounded_steps(
             if s.do_sample and seq is not None and len(seq.output_token_ids) >= limits[s.seq_id]:
                 sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
     raise AssertionError(f"the single-prompt request waited more than {bound} steps")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    prompt_len=st.integers(40, 120),
+    budget=st.integers(2, 16),
+    arrives=st.integers(0, 3),
+    newcomer_len=st.integers(1, 30),
+    client=st.sampled_from([None, "big"]),
+)
+def test_newcomer_waits_one_step_behind_a_long_prefill(
+    prompt_len: int, budget: int, arrives: int, newcomer_len: int, client: str | None
+) -> None:
+    """A request that arrives while a long prompt is being prefilled is scheduled in the next step: the
+    prompt's chunks leave it part of the budget (FCFS would hold it for the rest of that prefill)."""
+    kv = KVCacheManager(BS, 256, 0, watermark=0.0, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(2, budget, 256), kv)
+    shadow = ShadowCache(BS)
+    sched.add_seq_group(SequenceGroup("long", [Sequence(0, [1, 2] * (prompt_len // 2))], 0.0))
+    for _ in range(arrives + 1):
+        run_step(sched, shadow)
+    sched.add_seq_group(
+        SequenceGroup("new", [Sequence(1, [1] * newcomer_len)], 1.0, client_request_id=client)
+    )
+    long = sched.get_seq(0)
+    assert long is not None
+    remaining = long.num_tokens - long.num_computed_tokens
+    out = run_step(sched, shadow)
+    assert any(s.request_id == "new" for s in out.scheduled), "the newcomer waited behind the prefill"
+    # The prefill still advances by at least half a budget.
+    advanced = sum(s.num_new_tokens for s in out.scheduled if s.request_id == "long")
+    assert advanced >= min(remaining, budget - budget // 2)

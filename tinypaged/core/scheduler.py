@@ -109,6 +109,7 @@ class Scheduler:
         # Admission's turns between client requests (_Turns): each shared client request's latest admission
         # number, and its groups not finished (its entry goes with the last of them).
         self._num_admissions = 0
+        self._num_steps = 0  # schedule() calls so far
         self._last_turn: dict[str, int] = {}
         self._client_groups: Counter[str] = Counter()
         self.num_preemptions = 0  # total so far, recompute and swap
@@ -123,6 +124,7 @@ class Scheduler:
         if any(seq.seq_id in self._seqs or seq.num_computed_tokens for seq in group.seqs):
             raise ValueError(f"request {group.request_id!r} reuses a sequence id or a computed sequence")
         self._groups[group.request_id] = group
+        group.added_step = self._num_steps
         if group.client_request_id is not None:
             self._client_groups[group.client_request_id] += 1
         for seq in group.seqs:
@@ -218,6 +220,7 @@ class Scheduler:
             # Swapped groups come back before any new request takes their blocks.
             if not self.swapped:
                 self._schedule_waiting(st)
+        self._num_steps += 1
         scheduled = tuple(
             ScheduledSeq(
                 seq_id=seq.seq_id,
@@ -254,10 +257,19 @@ class Scheduler:
 
     # ---- phases --------------------------------------------------------------------------------------
     def _schedule_running(self, st: _Step) -> None:
+        # A prefill admitted before a request now waiting leaves it half the step's budget, so that a long
+        # prompt holds a newcomer's first token for one step, not for the whole of its prefill. A batch that
+        # arrives all at once has no newcomer: its schedule stays FCFS.
+        newest = self.waiting[-1].added_step if self.waiting and self.config.enable_chunked_prefill else -1
+        reserve = self.config.max_num_batched_tokens // 2
         i = 0
         while i < len(self.running) and st.budget > 0 and st.seqs_left > 0:
             group = self.running[i]
-            items = self._chunk(group.get_seqs(SequenceStatus.RUNNING), st)
+            items = self._chunk(
+                group.get_seqs(SequenceStatus.RUNNING),
+                st,
+                reserve=reserve if newest > group.admitted_step else 0,
+            )
             if not items:
                 i += 1
                 continue
@@ -305,6 +317,7 @@ class Scheduler:
                     self._ignore(group, "the request needs more blocks than the whole KV cache", st)
                     continue
             st.swap_in.extend(self.kv.swap_in(group))
+            group.admitted_step = self._num_steps
             self.swapped.pop(0)
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
@@ -342,6 +355,7 @@ class Scheduler:
             assert copies is not None, "admission checked the blocks this chunk needs"
             self._num_admissions += 1
             turns.take(group, admitted=True, turn=self._num_admissions)
+            group.admitted_step = self._num_steps
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
             num_running_seqs += len(seqs)
@@ -349,10 +363,10 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _chunk(
-        self, seqs: list[Sequence], st: _Step, hits: dict[int, PrefixHit] | None = None
+        self, seqs: list[Sequence], st: _Step, hits: dict[int, PrefixHit] | None = None, reserve: int = 0
     ) -> list[tuple[Sequence, int]]:
-        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget; a waiting
-        sequence's chunk starts after its prefix hit."""
+        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget (a prefill
+        chunk leaves `reserve` of it); a waiting sequence's chunk starts after its prefix hit."""
         items: list[tuple[Sequence, int]] = []
         budget, seqs_left = st.budget, st.seqs_left
         for seq in seqs:
@@ -360,7 +374,7 @@ class Scheduler:
             remaining = seq.num_tokens - computed
             if remaining <= 0:
                 continue
-            n = min(remaining, budget)
+            n = min(remaining, budget if remaining == 1 else budget - reserve)
             if n <= 0 or seqs_left <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 break
             items.append((seq, n))
