@@ -104,6 +104,10 @@ def one_run(checkout: str, args: argparse.Namespace, seed: int) -> dict[str, Any
         thread.start()
         time.sleep(args.delay)
         ttft, stream_s = first_token(port, {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0})
+        print(
+            f"  {checkout}: the stream's first token after {ttft:.2f} s; waiting for the big request",
+            flush=True,
+        )
         thread.join()
     usage = big.get("usage") or {}
     tokens = usage.get("total_tokens", 0)

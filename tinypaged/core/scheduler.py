@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -109,7 +110,7 @@ class Scheduler:
         # Admission's turns between client requests (_Turns): each shared client request's latest admission
         # number, and its groups not finished (its entry goes with the last of them).
         self._num_admissions = 0
-        self._num_steps = 0  # schedule() calls so far
+        self._latest_arrival = -math.inf  # of every group added so far
         self._last_turn: dict[str, int] = {}
         self._client_groups: Counter[str] = Counter()
         self.num_preemptions = 0  # total so far, recompute and swap
@@ -124,7 +125,7 @@ class Scheduler:
         if any(seq.seq_id in self._seqs or seq.num_computed_tokens for seq in group.seqs):
             raise ValueError(f"request {group.request_id!r} reuses a sequence id or a computed sequence")
         self._groups[group.request_id] = group
-        group.added_step = self._num_steps
+        self._latest_arrival = max(self._latest_arrival, group.arrival_time)
         if group.client_request_id is not None:
             self._client_groups[group.client_request_id] += 1
         for seq in group.seqs:
@@ -220,7 +221,6 @@ class Scheduler:
             # Swapped groups come back before any new request takes their blocks.
             if not self.swapped:
                 self._schedule_waiting(st)
-        self._num_steps += 1
         scheduled = tuple(
             ScheduledSeq(
                 seq_id=seq.seq_id,
@@ -257,10 +257,11 @@ class Scheduler:
 
     # ---- phases --------------------------------------------------------------------------------------
     def _schedule_running(self, st: _Step) -> None:
-        # A prefill admitted before a request now waiting leaves it half the step's budget, so that a long
-        # prompt holds a newcomer's first token for one step, not for the whole of its prefill. A batch that
-        # arrives all at once has no newcomer: its schedule stays FCFS.
-        newest = self.waiting[-1].added_step if self.waiting and self.config.enable_chunked_prefill else -1
+        # A prefill admitted before a request now waiting arrived leaves it half the step's budget, so that a
+        # long prompt holds a newcomer's first token for one step, not for the whole of its prefill. A batch
+        # that arrives at once (LLM.generate's) has no newcomer: its schedule stays FCFS.
+        on = self.waiting and self.config.enable_chunked_prefill
+        newest = self.waiting[-1].arrival_time if on else -math.inf
         reserve = self.config.max_num_batched_tokens // 2
         i = 0
         while i < len(self.running) and st.budget > 0 and st.seqs_left > 0:
@@ -268,7 +269,7 @@ class Scheduler:
             items = self._chunk(
                 group.get_seqs(SequenceStatus.RUNNING),
                 st,
-                reserve=reserve if newest > group.admitted_step else 0,
+                reserve=reserve if newest > group.arrivals_seen else 0,
             )
             if not items:
                 i += 1
@@ -317,7 +318,7 @@ class Scheduler:
                     self._ignore(group, "the request needs more blocks than the whole KV cache", st)
                     continue
             st.swap_in.extend(self.kv.swap_in(group))
-            group.admitted_step = self._num_steps
+            group.arrivals_seen = self._latest_arrival
             self.swapped.pop(0)
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
@@ -355,7 +356,7 @@ class Scheduler:
             assert copies is not None, "admission checked the blocks this chunk needs"
             self._num_admissions += 1
             turns.take(group, admitted=True, turn=self._num_admissions)
-            group.admitted_step = self._num_steps
+            group.arrivals_seen = self._latest_arrival
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
             num_running_seqs += len(seqs)

@@ -101,10 +101,9 @@ class SequenceGroup:
     # The client request this group is one prompt of (an HTTP request with several prompts): the scheduler
     # shares admission between client requests, not groups (see Scheduler). None: a client request of its own.
     client_request_id: str | None = None
-    # Set by the scheduler: the index of its first schedule() after the group was added, and of the one that
-    # last brought it onto the GPU (admission or swap-in).
-    added_step: int = 0
-    admitted_step: int = 0
+    # Set by the scheduler when it last brought the group onto the GPU (admission or swap-in): the latest
+    # arrival_time of any group added by then. A group waiting that arrived later is new to it.
+    arrivals_seen: float = 0.0
 
     @property
     def client_key(self) -> str:

@@ -122,7 +122,7 @@ class LLMEngine:
         group = SequenceGroup(
             request.request_id,
             [seq],
-            time.monotonic(),
+            request.arrival_time if request.arrival_time is not None else time.monotonic(),
             reads_prefix_cache=params.prompt_logprobs is None,
             client_request_id=request.client_request_id,
         )
