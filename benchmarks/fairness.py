@@ -143,6 +143,40 @@ def one_run(checkout: str, args: argparse.Namespace, seed: int) -> dict[str, Any
     }
 
 
+def steps_waited(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The case on the scheduler alone (this process's tinypaged.core, no model): the steps the stream waits
+    for its first token, the big request arriving as the HTTP server's fan-out queues it. Deterministic."""
+    from tinypaged.core.kv_cache_manager import KVCacheManager
+    from tinypaged.core.scheduler import Scheduler, SchedulerConfig
+    from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    rng = random.Random(seed)
+    sched = Scheduler(SchedulerConfig(256, 512, 8192), KVCacheManager(16, 20000, 0))
+    big = args.prompts if args.case == "big" else 1
+    key = "big" if big > 1 else None
+    for i in range(big):
+        n = args.long_tokens if args.case == "long" else rng.randint(10, 30)
+        group = SequenceGroup(f"big-{i}", [Sequence(i, [5] * n)], 0.0)
+        group.client_request_id = key  # (a checkout before fairness has no such field: it is ignored there)
+        sched.add_seq_group(group)
+    limit = 1 if args.case == "long" else args.max_tokens
+    for step in range(100000):
+        if step == 1:
+            sched.add_seq_group(SequenceGroup("stream", [Sequence(big, [7] * 5)], 1.0))
+        out = sched.schedule()
+        sched.update_from_output(out)
+        for s in out.scheduled:
+            if s.do_sample:
+                if s.request_id == "stream":
+                    return {"case": args.case, "stream_first_token_step": step, "arrived_step": 1}
+                seq = sched.get_seq(s.seq_id)
+                assert seq is not None
+                seq.append_token(1)
+                if len(seq.output_token_ids) >= limit:
+                    sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+    raise RuntimeError("the stream never ran")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = str(Path(__file__).resolve().parents[1])
@@ -156,7 +190,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `tinypaged serve` argument")
     ap.add_argument("--out", default=None, help="write the runs as JSON here")
+    ap.add_argument(
+        "--steps", action="store_true", help="only count the steps waited, on the scheduler alone"
+    )
     args = ap.parse_args()
+    if args.steps:
+        print(json.dumps(steps_waited(args, 0)))
+        return
     checkouts = args.checkout or [here]
     runs = []
     for r in range(args.rounds):
