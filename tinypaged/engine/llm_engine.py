@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -360,7 +360,12 @@ class LLMEngine:
         return outputs
 
     def _fail_request(
-        self, req: Request, message: str, step: int, fault: bool = True, kind: str = "internal"
+        self,
+        req: Request,
+        message: str,
+        step: int,
+        fault: bool = True,
+        kind: Literal["invalid", "internal"] = "internal",
     ) -> list[RequestOutput]:
         """End one request that failed inside `step` while the others go on: its blocks go back to the pool,
         its stream ends with `message` (never the fault's own text: that is logged, with the request id)."""
@@ -370,13 +375,15 @@ class LLMEngine:
             return []  # already ended
         del self._requests[req.request_id]
         self.scheduler.abort_seq_group(req.request_id)
-        req.error, req.error_kind = message, kind  # type: ignore[assignment]
+        req.error, req.error_kind = message, kind
         return [self.output.failed(req)]
 
     def _grammar_failed(self, req: Request, error: str, step: int) -> list[RequestOutput]:
         """End a request whose matcher entered llguidance's error state (a limit of its grammar run out, most
         often the lexer states its matchers share): it fails with the reason, never "stop" with a partial
         output, and its grammar leaves the cache so that the next request with it starts afresh."""
+        if self._requests.get(req.request_id) is not req:
+            return []  # already ended (another of its sequences failed first)
         spec = req.params.structured_outputs
         what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
         logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)

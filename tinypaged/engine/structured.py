@@ -151,9 +151,7 @@ class GrammarCompiler:
         try:
             key = grammar_key(spec)
         except BaseException as e:  # noqa: BLE001 - an unchecked spec: its failure is the request's
-            failed: Future[Grammar] = Future()
-            failed.set_exception(RequestError(f"invalid {param.split('.')[-1]}: {type(e).__name__}", param))
-            return failed
+            return _failed(RequestError(f"invalid {param.split('.')[-1]}: {type(e).__name__}", param))
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
@@ -162,7 +160,10 @@ class GrammarCompiler:
             if self._pool is None:
                 workers = max(1, min(4, os.cpu_count() or 1))
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tinypaged-grammar")
-            future = self._pool.submit(self._compile, spec, key, param)
+            try:
+                future = self._pool.submit(self._compile, spec, key, param)
+            except RuntimeError as e:  # the pool was shut down
+                return _failed(GrammarFailure(f"the grammar cannot be compiled: {e}"))
             self._cache[key] = future
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -276,6 +277,13 @@ def wait(future: Future[Grammar], param: str, timeout: float = limits.GRAMMAR_CO
         raise
     except BaseException as e:  # noqa: BLE001 - a future set by other code: the request's failure all the same
         raise GrammarFailure(f"compiling the grammar failed: {type(e).__name__}") from e
+
+
+def _failed(error: BaseException) -> Future[Grammar]:
+    """A future that has already failed with `error`."""
+    future: Future[Grammar] = Future()
+    future.set_exception(error)
+    return future
 
 
 def first_line(matcher: LLMatcher) -> str:
