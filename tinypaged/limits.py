@@ -22,6 +22,10 @@ TEMPERATURE = (0.0, 2.0)  # OpenAI's range
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 # Structured outputs (engine/structured.py): a JSON schema (as JSON text), regex, grammar or choices together.
 MAX_GRAMMAR_CHARS = 64 * 1024
+# Nesting of a JSON schema's objects and arrays (a property's schema is two levels below its object's: the
+# `properties` map, then the schema). Checked without recursion, before any compiler sees the schema; real
+# schemas stay far below it, and llguidance's JSON reader stops at 128.
+MAX_SCHEMA_DEPTH = 64
 MAX_CHOICES = 1024
 # A grammar that takes longer to compile (and to compute its first token mask) is refused with a 400.
 # llguidance's own limits (LLParserLimits' defaults) bound each later step's mask; past them the request fails.

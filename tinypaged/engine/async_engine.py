@@ -22,6 +22,7 @@ from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.engine.streams import Streams
+from tinypaged.engine.structured import wait
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -201,7 +202,7 @@ class AsyncEngine:
         spec = params.structured_outputs
         if spec is None:
             return
-        future = self.engine.grammars.submit(spec)
+        future = self.engine.grammars.submit(spec)  # never raises; the compile runs in the pool
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), limits.GRAMMAR_COMPILE_TIMEOUT_S)
         except TimeoutError as e:
@@ -209,6 +210,10 @@ class AsyncEngine:
                 f"the {spec.kind} did not compile within {limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
                 f"structured_outputs.{spec.kind}",
             ) from e
+        except BaseException:
+            if not future.done():
+                raise  # this coroutine was cancelled
+        wait(future, f"structured_outputs.{spec.kind}", timeout=0)  # RequestError or GrammarFailure
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""

@@ -12,18 +12,19 @@ device by `ops.apply_token_bitmask`. No torch is imported here: the server check
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 
 from tinypaged import limits
 from tinypaged.errors import RequestError
@@ -32,10 +33,38 @@ from tinypaged.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
+
 GRAMMAR_CACHE_SIZE = 512  # distinct compiled grammars kept (each a few kB to a few MB of lexer state)
 PARALLEL_FILL_ROWS = (
     32  # a step with this many constrained rows or more fills its masks in llguidance's threads
 )
+
+
+# llguidance's limits, set here rather than left to its defaults so that what a grammar may cost is written down
+# (docs/limits.md). Per step: lexer fuel and Earley items bound one mask's work. Per grammar: the lexer's states
+# (its lazily built DFA, 1-2 kB each) are shared by every matcher copied from one start (deep_copy shares the
+# lexer), so that budget is the grammar's, not a sequence's: a matcher that runs it out fails its request, and
+# the grammar leaves the cache (`GrammarCompiler.evict`) so that the next request starts on a fresh lexer.
+# `verbose_errors=False`: an error is one line, without the parser's state or the grammar (a client's schema).
+PARSER_LIMITS = LLParserLimits(
+    max_items_in_row=2_000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    precompute_large_lexemes=True,
+    verbose_errors=False,
+)
+# Failures of a grammar's preparation that say the spec is at fault (llguidance refuses it; it nests or grows past
+# what its compilers can hold): the request's 400. Anything else is a failure of that request alone (a 500).
+_SPEC_FAULTS = (ValueError, RecursionError, MemoryError, OverflowError, UnicodeError)
+
+
+class GrammarFailure(RuntimeError):
+    """Preparing a grammar failed for a reason other than the spec (logged where it happened): its requests
+    fail alone."""
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -43,9 +72,16 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def grammar_key(spec: StructuredOutputsParams) -> str:
+    """The cache key of a spec: its constraint and options as JSON text, cheap enough for any thread (the spec
+    was checked: its JSON schema is shallow). The same schema, regex, choices or grammar compiles once."""
+    value = True if spec.kind == "json_object" else getattr(spec, spec.kind)
+    return json.dumps([spec.kind, value, spec.disable_any_whitespace, spec.whitespace_pattern])
+
+
 def grammar_source(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a spec (not yet checked against the tokenizer); deterministic, so it is also
-    the cache key: the same schema, regex or grammar compiles once."""
+    """The llguidance grammar of a spec (not yet checked against the tokenizer). It can take long and raise
+    anything on a hostile spec: only the compile pool runs it."""
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else {"type": "object"}
@@ -76,9 +112,10 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
 class Grammar:
     """A compiled grammar: each sequence constrained by it gets its own matcher, a copy of this one's start."""
 
+    key: str  # grammar_key of its spec
     source: str
     compile_s: float  # host time to build and check it, its first mask included
-    _start: LLMatcher
+    _start: LLMatcher  # never advanced: its copies are
 
     def matcher(self) -> LLMatcher:
         """A matcher at the grammar's start, for one sequence."""
@@ -107,32 +144,57 @@ class GrammarCompiler:
         self._executor: LLExecutor | None = None
 
     def submit(self, spec: StructuredOutputsParams) -> Future[Grammar]:
-        """The Grammar of `spec`, compiled in the pool (at once if it was compiled before); the future raises
-        RequestError naming the parameter if the spec is invalid, unsupported or too slow to compile."""
+        """The Grammar of `spec`, compiled in the pool (at once if it was compiled before). Never raises and does
+        no grammar work in the calling thread (the engine's loop): the future raises RequestError naming the
+        parameter if the spec is invalid, unsupported or too slow to compile, or GrammarFailure."""
+        param = f"structured_outputs.{getattr(spec, 'kind', '')}"
         try:
-            source = grammar_source(spec)
-        except RequestError as e:
-            failed: Future[Grammar] = Future()
-            failed.set_exception(e)
-            return failed
-        param = f"structured_outputs.{spec.kind}"
+            key = grammar_key(spec)
+        except BaseException as e:  # noqa: BLE001 - an unchecked spec: its failure is the request's
+            return _failed(RequestError(f"invalid {param.split('.')[-1]}: {type(e).__name__}", param))
         with self._lock:
-            future = self._cache.get(source)
+            future = self._cache.get(key)
             if future is not None:
-                self._cache.move_to_end(source)
+                self._cache.move_to_end(key)
                 return future
             if self._pool is None:
                 workers = max(1, min(4, os.cpu_count() or 1))
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tinypaged-grammar")
-            future = self._pool.submit(self._compile, source, param)
-            self._cache[source] = future
+            try:
+                future = self._pool.submit(self._compile, spec, key, param)
+            except RuntimeError as e:  # the pool was shut down
+                return _failed(GrammarFailure(f"the grammar cannot be compiled: {e}"))
+            self._cache[key] = future
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return future
+        future.add_done_callback(lambda f: self._forget_unless_cacheable(key, f))
+        return future
 
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """`submit(spec)` waited for (at most the compile time limit)."""
         return wait(self.submit(spec), f"structured_outputs.{spec.kind}")
+
+    def evict(self, grammar: Grammar) -> None:
+        """Drop a grammar from the cache (one of its matchers ran out of a limit its copies share): the next
+        request with its spec compiles a fresh one. Requests already following it keep it."""
+        with self._lock:
+            future = self._cache.get(grammar.key)
+            if future is not None and future.done() and not future.cancelled() and future.exception() is None:
+                if future.result() is grammar:
+                    del self._cache[grammar.key]
+
+    def _forget_unless_cacheable(self, key: str, future: Future[Grammar]) -> None:
+        """Keep a compile in the cache if it succeeded or the spec was refused for good; a failure that may not
+        happen again (an internal error, memory, a cancelled compile) is retried by the next request."""
+        if not future.cancelled():
+            error = future.exception()
+            if error is None or (
+                isinstance(error, RequestError) and not isinstance(error.__cause__, MemoryError)
+            ):
+                return
+        with self._lock:
+            if self._cache.get(key) is future:
+                del self._cache[key]
 
     def tokenizer(self) -> LLTokenizer:
         """llguidance's view of the model's tokenizer (built once)."""
@@ -143,26 +205,39 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def _compile(self, source: str, param: str) -> Grammar:
+    def _compile(self, spec: StructuredOutputsParams, key: str, param: str) -> Grammar:
+        """Build and check a grammar (in the pool). Raises RequestError naming `param` when the spec is at
+        fault, GrammarFailure otherwise: nothing else leaves it."""
+        what = param.split(".")[-1]
         tokenizer = self.tokenizer()
-        t0 = time.perf_counter()
-        start = LLMatcher(tokenizer, source, log_level=0)  # releases the GIL while it builds
-        if start.is_error():
-            raise RequestError(f"invalid or unsupported {param.split('.')[-1]}: {_first_line(start)}", param)
-        # The first mask builds the lexer's first states: its cost belongs to the compile, and an error that
-        # only shows there (a grammar past llguidance's limits) is the request's 400, not a failure later.
-        scratch = np.empty(bitmask_width(self.vocab_size), dtype=np.int32)
-        start.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-        if start.is_error():
-            raise RequestError(f"invalid or unsupported {param.split('.')[-1]}: {_first_line(start)}", param)
-        elapsed = time.perf_counter() - t0
-        if elapsed > limits.GRAMMAR_COMPILE_TIMEOUT_S:
-            raise RequestError(
-                f"the {param.split('.')[-1]} took {elapsed:.1f} s to compile, more than the limit of "
-                f"{limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
-                param,
-            )
-        return Grammar(source, elapsed, start)
+        try:
+            t0 = time.perf_counter()
+            source = grammar_source(spec)
+            start = LLMatcher(tokenizer, source, log_level=0, limits=PARSER_LIMITS)  # GIL released
+            if start.is_error():
+                raise RequestError(f"invalid or unsupported {what}: {first_line(start)}", param)
+            # The first mask builds the lexer's first states: its cost belongs to the compile, and an error that
+            # only shows there (a grammar past llguidance's limits) is the request's 400, not a failure later.
+            scratch = np.empty(bitmask_width(self.vocab_size), dtype=np.int32)
+            start.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            if start.is_error():
+                raise RequestError(f"invalid or unsupported {what}: {first_line(start)}", param)
+            elapsed = time.perf_counter() - t0
+            if elapsed > limits.GRAMMAR_COMPILE_TIMEOUT_S:
+                raise RequestError(
+                    f"the {what} took {elapsed:.1f} s to compile, more than the limit of "
+                    f"{limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
+                    param,
+                )
+            return Grammar(key, source, elapsed, start)
+        except RequestError:
+            raise
+        except _SPEC_FAULTS as e:
+            reason = "it nests too deeply" if isinstance(e, RecursionError) else _short(e)
+            raise RequestError(f"invalid or unsupported {what}: {reason}", param) from e
+        except BaseException as e:  # noqa: BLE001 - a panic in llguidance is a BaseException: still this request's
+            logger.exception("compiling a %s failed", what)
+            raise GrammarFailure(f"compiling the {what} failed (an internal error, logged)") from e
 
     def fill_bitmask(self, matchers: list[LLMatcher], bitmask: torch.Tensor) -> None:
         """Row i of `bitmask` (int32 `[N, bitmask_width]`, contiguous, on the host) := the tokens matcher i
@@ -188,16 +263,36 @@ class GrammarCompiler:
 
 
 def wait(future: Future[Grammar], param: str, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar:
-    """A compile's result, waited for at most `timeout` (RequestError naming `param` past it)."""
+    """A compile's result, waited for at most `timeout`: RequestError naming `param` if the spec is at fault or
+    past the time limit, GrammarFailure if the compile failed otherwise (or was cancelled by a shutdown)."""
     try:
         return future.result(timeout=timeout)
     except TimeoutError as e:
         raise RequestError(
             f"the {param.split('.')[-1]} did not compile within {limits.GRAMMAR_COMPILE_TIMEOUT_S} s", param
         ) from e
+    except CancelledError as e:
+        raise GrammarFailure("the grammar's compile was cancelled (the engine is shutting down)") from e
+    except (RequestError, GrammarFailure):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a future set by other code: the request's failure all the same
+        raise GrammarFailure(f"compiling the grammar failed: {type(e).__name__}") from e
 
 
-def _first_line(matcher: LLMatcher) -> str:
-    """llguidance's error without its dump of the parser state and the grammar (they can be long)."""
-    error = matcher.get_error()
-    return error.split("\n<state>")[0].strip()
+def _failed(error: BaseException) -> Future[Grammar]:
+    """A future that has already failed with `error`."""
+    future: Future[Grammar] = Future()
+    future.set_exception(error)
+    return future
+
+
+def first_line(matcher: LLMatcher) -> str:
+    """llguidance's error without any dump of the parser state or the grammar (they can be long)."""
+    return _short(matcher.get_error())
+
+
+def _short(error: object) -> str:
+    """An error's text without llguidance's dump of its state (`<state>...`, or `<non-verbose/>` in its place),
+    at most 500 characters (a client's schema can be in it)."""
+    text = str(error).split("\n<")[0].strip()
+    return text[:500] if text else type(error).__name__
