@@ -27,3 +27,8 @@ MAX_CHOICES = 1024
 # llguidance's own limits (LLParserLimits' defaults) bound each later step's mask; past them the request fails.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 MAX_TOOLS = 128  # functions in one chat request's `tools`
+# JSON nested deeper than this is refused with a 400 naming the parameter: the request body (counted from its
+# top), and each JSON string the server parses (tool-call arguments, a schema given as text). serde_json's
+# default, which llguidance parses schemas with; real schemas and arguments nest tens of levels at most, and
+# this keeps every walk of a value (json.dumps, chat templates' tojson and macros) far from Python's stack limit.
+MAX_JSON_DEPTH = 128
