@@ -349,7 +349,7 @@ class _Connection(web.RequestHandler):
         """OpenAI's error JSON for a request the HTTP parser refused; aiohttp's answer for anything else."""
         if not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
-        reason = prefix(exc.message)
+        reason = prefix(" ".join(exc.message.split()))  # one line
         logger.info("malformed HTTP request from %s refused (%d): %s", request.remote, status, reason)
         info = p.ErrorInfo(message=f"Malformed HTTP request: {reason}", type="invalid_request_error")
         response = json_response(p.ErrorResponse(error=info), status)

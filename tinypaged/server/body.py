@@ -16,7 +16,7 @@ import msgspec.inspect as mi
 import numpy as np
 
 from tinypaged.limits import MAX_JSON_DEPTH
-from tinypaged.server.serving import APIError
+from tinypaged.server.errors import APIError
 
 try:
     import brotli
@@ -247,9 +247,14 @@ def decode_json(body: bytes, cls: type[T], error_param: Callable[[str], str | No
         raise APIError(400, f"The body is not valid JSON: {prefix(str(e))}", code="invalid_json") from e
 
 
-def loads(text: str, param: str) -> Any:
-    """A JSON string a request carries (tool-call arguments, a schema as text), parsed only when it is nested
-    at most MAX_JSON_DEPTH levels (400 naming `param` past it); ValueError when it is not JSON."""
+def check_depth(text: str, param: str) -> None:
+    """400 naming `param` when a JSON string a request carries (tool-call arguments, a schema as text) nests
+    more than MAX_JSON_DEPTH levels: checked before anything parses it."""
     if deep_offset(text.encode("utf-8", "surrogatepass")) is not None:
         raise too_deep(param, f"`{param}`")
+
+
+def loads(text: str, param: str) -> Any:
+    """A JSON string a request carries, parsed once `check_depth` passes it; ValueError if it is not JSON."""
+    check_depth(text, param)
     return json.loads(text)
