@@ -127,40 +127,21 @@ def test_unknown_or_broken_codings(raw) -> None:
     assert status == 400 and json.loads(data)["error"]["code"] == "invalid_body", data
 
 
-def _exchange(server, raw_request: bytes) -> bytes:  # noqa: ANN001
-    """Send bytes, return the server's answer: its head and its Content-Length of body (or all it sends until
-    it closes the connection)."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        try:
-            sock.sendall(raw_request)
-        except OSError:  # closed by the server before it read everything: its answer is there to read
-            pass
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-            head, sep, body = answer.partition(b"\r\n\r\n")
-            length = next(
-                (
-                    int(h.split(b":")[1])
-                    for h in head.split(b"\r\n")
-                    if h.lower().startswith(b"content-length:")
-                ),
-                None,
-            )
-            if sep and length is not None and len(body) >= length:
-                break
-    return answer
-
-
 def test_a_refused_body_is_not_drained(server) -> None:
     """A request refused before its body is read (here: no key) gets its answer, then the connection closes:
-    the rest of the body is never read (the client's half-sent 10 MB would have kept aiohttp draining)."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n"
-    t0 = time.perf_counter()
-    answer = _exchange(server, head + b"Content-Encoding: gzip\r\n\r\n" + bomb("gzip", 64)[:60000])
+    the rest of the body is never read (aiohttp used to wait for the other 9.9 MB of a half-sent body, and
+    inflate it)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000\r\nContent-Encoding: gzip\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(head + bomb("gzip", 64)[:60000])
+        answer = b""
+        while chunk := sock.recv(65536):  # until the server closes (a timeout here: it did not)
+            answer += chunk
     assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer, answer[:300]
-    assert time.perf_counter() - t0 < 5  # closed, not left waiting for the other 9.9 MB
 
 
 @pytest.mark.parametrize("with_key", [False, True], ids=["no-key", "with-key"])
@@ -168,7 +149,9 @@ def test_a_refused_body_is_not_drained(server) -> None:
     "kind",
     ["bad-chunk-size", "no-crlf-after-chunk", "long-chunk-extension", "long-header", "bad-request-line"],
 )
-def test_malformed_requests_get_short_json_and_short_logs(server, caplog, kind: str, with_key: bool) -> None:
+def test_malformed_requests_get_short_json_and_short_logs(
+    server, exchange, caplog, kind: str, with_key: bool
+) -> None:
     """aiohttp's parser quotes the offending bytes (up to a 128 KB chunk of an unauthenticated body) in its
     plain-text 400 and in an error log with a traceback: here a short JSON error and a short info line."""
     junk = b"Z" * 131072
@@ -183,7 +166,7 @@ def test_malformed_requests_get_short_json_and_short_logs(server, caplog, kind: 
     }[kind]
     with caplog.at_level(logging.DEBUG):
         caplog.clear()
-        answer = _exchange(server, raw_request)
+        answer = exchange(server.url, raw_request)
         time.sleep(0.2)  # the server's thread logs after it answers
     assert len(answer) < 1000, answer[:300]
     head, _, body = answer.partition(b"\r\n\r\n")

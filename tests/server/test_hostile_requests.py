@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -232,17 +231,10 @@ def test_within_the_limits_is_served(raw) -> None:
         "Bearer ключ".encode(),
     ],
 )
-def test_authorization_headers_that_are_not_utf8_get_401(server, caplog, header: bytes) -> None:
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(
-            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: "
-            + header
-            + b"\r\n\r\n"
-        )
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+def test_authorization_headers_that_are_not_utf8_get_401(server, exchange, caplog, header: bytes) -> None:
+    answer = exchange(
+        server.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + header + b"\r\n\r\n"
+    )
     assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_api_key"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
