@@ -287,3 +287,28 @@ def test_nesting_anywhere_is_bounded(raw, request_case) -> None:
         assert status == 400 and (error["param"], error["code"]) == (param, "json_too_deep"), (depth, error)
     else:
         assert error is None or error["code"] != "json_too_deep", (depth, error)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"), [(RecursionError, 400), (MemoryError, 500), (KeyError, 500)], ids=lambda x: str(x)
+)
+def test_a_template_failure_fails_its_request_alone(raw, server, monkeypatch, fault, status) -> None:
+    """A chat template that recurses past Python's stack on a client's values is that client's 400; any other
+    failure while rendering is a 500 for that request alone (logged with an id), and the server goes on."""
+    tok = server.serving.tokenizer
+    real = tok.apply_chat_template
+
+    def render(messages, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if messages[-1]["content"] == "break me":
+            raise fault("injected")
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", render)
+    for path in (CHAT, TOKENIZE):
+        body = {"messages": [{"role": "user", "content": "break me"}]}
+        got, _, data = raw("POST", path, {**body, "max_tokens": 1} if path == CHAT else body)
+        error = json.loads(data)["error"]
+        assert got == status, data
+        assert "injected" not in error["message"]
+        assert error["param"] == ("messages" if status == 400 else None), error
+        assert raw("POST", path, {"messages": USER, **({"max_tokens": 1} if path == CHAT else {})})[0] == 200
