@@ -6,7 +6,6 @@ Nothing here knows aiohttp: app.py reads the raw bytes and hands them in.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -217,14 +216,13 @@ def param_of(cls: type, path: list[str | int]) -> str | None:
     return out or None
 
 
-def too_deep(param: str | None, what: str = "The body's JSON") -> APIError:
-    """400 for JSON nested past MAX_JSON_DEPTH."""
-    where = f" (in `{param}`)" if param else ""
+def too_deep(param: str | None, what: str | None = None) -> APIError:
+    """400 for JSON nested past MAX_JSON_DEPTH: `what` (a JSON string the request carries), or the body (in
+    `param`)."""
+    if what is None:
+        what = "The body's JSON" + (f" (in `{param}`)" if param else "")
     return APIError(
-        400,
-        f"{what} is nested more than {MAX_JSON_DEPTH} levels deep{where}.",
-        param=param,
-        code="json_too_deep",
+        400, f"{what} is nested more than {MAX_JSON_DEPTH} levels deep.", param=param, code="json_too_deep"
     )
 
 
@@ -247,14 +245,10 @@ def decode_json(body: bytes, cls: type[T], error_param: Callable[[str], str | No
         raise APIError(400, f"The body is not valid JSON: {prefix(str(e))}", code="invalid_json") from e
 
 
-def check_depth(text: str, param: str) -> None:
-    """400 naming `param` when a JSON string a request carries (tool-call arguments, a schema as text) nests
-    more than MAX_JSON_DEPTH levels: checked before anything parses it."""
+def loads(text: str, param: str) -> Any:
+    """A JSON string a request carries (tool-call arguments, a schema as text), parsed only when it nests at most
+    MAX_JSON_DEPTH levels (else a 400 naming `param`, before anything walks it) and as strictly as the body (no
+    NaN or Infinity, which no schema compiler or template takes); ValueError if it is not JSON."""
     if deep_offset(text.encode("utf-8", "surrogatepass")) is not None:
         raise too_deep(param, f"`{param}`")
-
-
-def loads(text: str, param: str) -> Any:
-    """A JSON string a request carries, parsed once `check_depth` passes it; ValueError if it is not JSON."""
-    check_depth(text, param)
-    return json.loads(text)
+    return msgspec.json.decode(text)

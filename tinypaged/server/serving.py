@@ -26,7 +26,7 @@ from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tinypaged.server import protocol as p
-from tinypaged.server.body import check_depth, loads
+from tinypaged.server.body import loads
 from tinypaged.server.errors import APIError
 from tinypaged.server.metrics import ServerMetrics
 
@@ -185,9 +185,15 @@ class OpenAIServing:
                 spec = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
                 return spec, "response_format.json_schema.schema"
             if so is not None:
-                if isinstance(so.json, str):  # parsed by StructuredOutputsParams: its nesting bounded first
-                    check_depth(so.json, "structured_outputs.json")
-                return StructuredOutputsParams(**msgspec.structs.asdict(so)), "structured_outputs"
+                fields = msgspec.structs.asdict(so)
+                if isinstance(so.json, str):  # a schema as text: parsed here, its nesting bounded first
+                    try:
+                        fields["json"] = loads(so.json, "structured_outputs.json")
+                    except ValueError as e:
+                        raise RequestError(
+                            f"a JSON schema must be valid JSON: {e}", "structured_outputs.json"
+                        ) from e
+                return StructuredOutputsParams(**fields), "structured_outputs"
         except RequestError as e:
             param = e.param if so is not None else "response_format.json_schema.schema"
             raise APIError(400, str(e), param=param) from e
