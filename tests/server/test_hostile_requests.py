@@ -171,6 +171,14 @@ CASES = [
         "json_too_deep",
     ),
     (
+        "structured-outputs-json-text-infinity",  # parsed as strictly as the body: no engine sees Infinity
+        C,
+        {"prompt": "hi", "structured_outputs": {"json": '{"type": "string", "maxLength": Infinity}'}},
+        400,
+        "structured_outputs.json",
+        None,
+    ),
+    (
         "unknown-field-deep",
         C,
         {"prompt": "hi", "extra": json.loads(nested_arrays(500))},
