@@ -23,13 +23,15 @@ except ImportError:  # pragma: no cover - an optional codec (aiohttp's too)
     brotli = None
 
 T = TypeVar("T")
-_PREFIX = 200  # characters of a client's bytes that an error message may quote
+_PREFIX = 200  # characters of a client's bytes that an error message or a log line may quote
+# Content codings one body may stack, and gzip members one body may have: real clients send one of each; each
+# costs a pass of up to the body limit (or a decompressor), so a body of thousands would cost thousands.
+_MAX_CODINGS = 2
+_MAX_MEMBERS = 64
 
 
-def prefix(text: str | bytes, limit: int = _PREFIX) -> str:
-    """At most `limit` characters of `text` (a client's bytes, quoted in an error or a log line)."""
-    if isinstance(text, bytes):
-        text = text[: limit + 1].decode("utf-8", "replace")
+def prefix(text: str, limit: int = _PREFIX) -> str:
+    """At most `limit` characters of `text` (a client's, quoted in an error or a log line)."""
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -60,8 +62,11 @@ def _inflate_zlib(data: bytes, coding: str, limit: int) -> bytes:
     else:
         wbits = 16 + zlib.MAX_WBITS
     out: list[bytes] = []
-    size = 0
+    size = members = 0
     while data:
+        members += 1
+        if members > _MAX_MEMBERS:
+            raise _bad_coding(coding)
         d = zlib.decompressobj(wbits)
         while data:
             chunk = d.decompress(data, limit + 1 - size)  # max_length bounds the work, not just the result
@@ -108,11 +113,11 @@ def codings(header: str) -> list[str]:
     server cannot decode)."""
     names = [c.strip().lower() for c in header.split(",") if c.strip()]
     for name in names:
-        if name != "identity" and name not in CODINGS:
+        if name != "identity" and name not in CODINGS or len(names) > _MAX_CODINGS:
             raise APIError(
                 415,
-                f"Content-Encoding {prefix(name, 40)!r} is not supported; use one of "
-                f"{', '.join(['identity', *CODINGS])}.",
+                f"Content-Encoding {prefix(header, 40)!r} is not supported; use one of "
+                f"{', '.join(['identity', *CODINGS])} (at most {_MAX_CODINGS}).",
                 code="unsupported_encoding",
                 headers={"Accept-Encoding": ", ".join(CODINGS), "Connection": "close"},
             )
@@ -233,7 +238,7 @@ def decode_json(body: bytes, cls: type[T], error_param: Callable[[str], str | No
     if offset is not None:
         try:
             param = param_of(cls, _path_to_last(_stub(body, offset)))
-        except (msgspec.DecodeError, IndexError):  # not JSON before that point either
+        except (ValueError, IndexError):  # not JSON before that point either
             param = None
         raise too_deep(param)
     try:
