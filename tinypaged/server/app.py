@@ -107,7 +107,7 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
     timeout = request.app[CONFIG].idle_timeout
     try:
         async with asyncio.timeout(timeout):  # a body trickled in (or never sent) holds nothing for long
-            body = await request.read()  # as sent: aiohttp inflates nothing (build_app's runner)
+            body = await request.read()  # as sent: aiohttp inflates nothing (start_server)
     except TimeoutError as e:
         raise APIError(
             408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout"
