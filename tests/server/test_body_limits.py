@@ -26,10 +26,11 @@ def bomb(encoding: str, mib: int) -> bytes:
     """A body of `mib` MiB of zeros compressed to about 1 KB a MiB (its checksum is wrong: an inflater finds
     out at its end). Fully flushed after each MiB, the compressed MiBs are the same bytes: built in
     milliseconds."""
-    if encoding == "br":
-        return brotli.compress(bytes(mib << 20), quality=0)
-    c = zlib.compressobj(9, zlib.DEFLATED, WBITS[encoding])
     zeros = bytes(1 << 20)
+    if encoding == "br":
+        br = brotli.Compressor(quality=0)
+        return b"".join(br.process(zeros) for _ in range(mib)) + br.finish()
+    c = zlib.compressobj(9, zlib.DEFLATED, WBITS[encoding])
     head = c.compress(zeros) + c.flush(zlib.Z_FULL_FLUSH)
     middle = c.compress(zeros) + c.flush(zlib.Z_FULL_FLUSH)
     return head + middle * (mib - 2) + c.flush()
