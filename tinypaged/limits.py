@@ -31,3 +31,10 @@ MAX_CHOICES = 1024
 # llguidance's own limits (LLParserLimits' defaults) bound each later step's mask; past them the request fails.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 MAX_TOOLS = 128  # functions in one chat request's `tools`
+# JSON nested deeper than this is refused with a 400 naming the parameter: the request body (counted from its
+# top) and each JSON string the server parses (tool-call arguments, a schema given as text). Real schemas and
+# arguments nest tens of levels at most (OpenAI's strict schemas: 10 object levels, about 20 JSON levels). It
+# keeps every walk of a value (json.dumps, a chat template's tojson and macros) far from Python's stack limit,
+# and a schema, even wrapped by a "required" tool_choice (5 levels more), under the 127 levels llguidance's
+# JSON parser (serde_json's default limit) takes.
+MAX_JSON_DEPTH = 64
