@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import uvloop
@@ -263,7 +265,8 @@ def test_compiled_once_and_waited_for_outside_the_scheduler(llm: LLM) -> None:
         finished.update((o.request_id, o) for o in engine.step().outputs if o.finished)
         assert engine.scheduler.get_seq_group("slow") is None  # held back; "other" runs
     assert "other" in finished and engine.stats().num_waiting == 1
-    slow.set_result(compiled)
+    assert compiled is engine.grammars.compile(spec)  # shared, immutable
+    slow.set_result(engine.grammars.start(spec).result(10))  # this request's own matcher
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step().outputs if o.finished)
     assert re.fullmatch("[0-9]{4}", finished["slow"].outputs[0].text)
@@ -280,12 +283,12 @@ def test_compiled_once_and_waited_for_outside_the_scheduler(llm: LLM) -> None:
 def test_masks_filled_in_parallel_equal_serial(llm: LLM) -> None:
     """A large batch's masks (llguidance's threads) are the ones each matcher gives alone."""
     grammars = llm.engine.grammars
-    grammar = grammars.compile(Structured(json=SCHEMAS[0]))
+    start = grammars.start(Structured(json=SCHEMAS[0])).result(10)
     tok = grammars.tokenizer()
     prefixes = ['{"name": "', '{"name": "Al', '{"name": "Bo", "address": {"city": "X"', '{"na']
     matchers = []
     for i in range(40):
-        m = grammar.matcher()
+        m = start.deep_copy()
         assert m.consume_tokens(tok.tokenize_str(prefixes[i % len(prefixes)]))
         matchers.append(m)
     width = bitmask_width(grammars.vocab_size)
@@ -401,12 +404,11 @@ def test_any_compile_failure_fails_its_request_alone(
     _serves(llm)
 
 
-def test_exhausted_grammar_fails_its_requests_and_leaves_the_cache(
-    llm: LLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Matchers copied from one grammar share its lexer (llguidance's deep_copy), so its lexer-state budget is
-    the grammar's: concurrent requests that run it out each fail with the reason (never "stop" with a partial
-    output), and the grammar leaves the cache, so the next request with it is not poisoned."""
+def test_exhausted_lexer_fails_its_request_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request builds its own matcher (llguidance's deep_copy shares a lexer, so copies of one cached
+    start would share its lexer-state budget): a request that runs its lexer out fails with the reason (never
+    "stop" with a partial output), the shared grammar stays as it was, and the next request with it, or one
+    beside it, is not poisoned."""
     monkeypatch.setattr(
         structured, "PARSER_LIMITS", LLParserLimits(max_lexer_states=2000, verbose_errors=False)
     )
@@ -425,19 +427,32 @@ def test_exhausted_grammar_fails_its_requests_and_leaves_the_cache(
     for o in outs:
         if o.error is None:
             assert o.outputs[0].finish_reason == "length", o.outputs[0]  # 202 characters at least
-    assert llm.engine.grammars.compile(spec) is not grammar  # evicted: compiled afresh
+    assert llm.engine.grammars.compile(spec) is grammar  # immutable: nothing to evict
+    # One request's matcher run out of lexer states leaves another's with the same spec as it was.
+    grammars = llm.engine.grammars
+    exhausted, beside = grammars.start(spec).result(10), grammars.start(spec).result(10)
+    mask = np.zeros(bitmask_width(grammars.vocab_size), dtype=np.int32)
+    rng = random.Random(0)
+    for _ in range(200):  # random allowed tokens: new lexer states at every step, until its budget ends
+        exhausted.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if exhausted.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        assert exhausted.consume_token(int(rng.choice(allowed)))
+    assert exhausted.is_error() and "too many states" in exhausted.get_error()
+    beside.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    assert not beside.is_error() and mask.any()
     again = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=spec))[0]
     assert again.error is None and again.outputs[0].finish_reason == "length"
     assert len(again.outputs[0].token_ids) == 2 and again.outputs[0].text
     monkeypatch.undo()
-    llm.engine.grammars.evict(llm.engine.grammars.compile(spec))  # built under the lowered limits
     _serves(llm)
 
 
 def test_core_process_survives_bad_grammars(model_dir: Path) -> None:
     """The engine-core process: specs refused by its compiler (sent without waiting for the compile, the path
-    that killed it) end their requests with the reason; concurrent requests whose shared grammar runs out
-    of a limit each follow it or fail with the reason; the next request with it is not poisoned; the core
+    that killed it) end their requests with the reason; concurrent requests whose lexers run
+    out of a limit each follow it or fail with the reason; the next request with it is not poisoned; the core
     serves on with every block free."""
     engine = ProcessEngine(EngineConfig(model=model_dir, seed=0))
     regex = "(.*[aeiou].{100}[a-z])"  # runs out of llguidance's lexer budget about 20 tokens in

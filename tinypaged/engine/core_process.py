@@ -176,7 +176,7 @@ class _Core:
                 _, request_id, prompt, ids, params = op
                 self.applied += 1
                 spec = params.structured_outputs
-                grammar = engine.grammars.submit(spec) if spec is not None else None
+                grammar = engine.grammars.start(spec) if spec is not None else None
                 try:
                     engine.add(EngineRequest(request_id, prompt, ids, params, grammar))
                 except RequestError as e:

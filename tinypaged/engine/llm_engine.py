@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch
+from llguidance import LLMatcher
 
 from tinypaged import limits, ops
 from tinypaged.config import EngineConfig
@@ -28,7 +29,7 @@ from tinypaged.engine.queued_step import QueuedStep, StepError
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
-from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, first_line, wait
+from tinypaged.engine.structured import GrammarCompiler, bitmask_width, first_line, wait
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
@@ -87,7 +88,7 @@ class LLMEngine:
         self._inflight: QueuedStep | None = None  # a deferred step, applied during the next one
         # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
         # scheduler sees them once it is ready, and the other requests run meanwhile.
-        self._compiling: dict[str, tuple[Request, Future[Grammar], float]] = {}
+        self._compiling: dict[str, tuple[Request, Future[LLMatcher], float]] = {}
         # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
         # pruned each step of those that ended.
         self._constrained: set[str] = set()
@@ -137,10 +138,10 @@ class LLMEngine:
             deadline = time.monotonic() + limits.GRAMMAR_COMPILE_TIMEOUT_S
             self._compiling[request.request_id] = (req, grammar, deadline)
 
-    def _start_constrained(self, req: Request, grammar: Grammar) -> None:
-        """Hand a request whose grammar is compiled to the scheduler, its first sequence at the grammar's start."""
-        req.grammar = grammar
-        req.states[req.group.seqs[0].seq_id].matcher = grammar.matcher()
+    def _start_constrained(self, req: Request, matcher: LLMatcher) -> None:
+        """Hand a request whose matcher is built to the scheduler, its first sequence at the grammar's start."""
+        req.constrained = True
+        req.states[req.group.seqs[0].seq_id].matcher = matcher
         self._constrained.add(req.request_id)
         self.scheduler.add_seq_group(req.group)
 
@@ -380,15 +381,13 @@ class LLMEngine:
 
     def _grammar_failed(self, req: Request, error: str, step: int) -> list[RequestOutput]:
         """End a request whose matcher entered llguidance's error state (a limit of its grammar run out, most
-        often the lexer states its matchers share): it fails with the reason, never "stop" with a partial
-        output, and its grammar leaves the cache so that the next request with it starts afresh."""
+        often its lexer's states): it fails with the reason, never "stop" with a partial output. The lexer was
+        this request's own: the next request with its spec starts on a fresh one."""
         if self._requests.get(req.request_id) is not req:
             return []  # already ended (another of its sequences failed first)
         spec = req.params.structured_outputs
         what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
         logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)
-        if req.grammar is not None:
-            self.grammars.evict(req.grammar)
         message = f"the output could not follow its {what}: {error}"
         return self._fail_request(req, message, step, fault=False, kind="invalid")
 
@@ -497,7 +496,7 @@ class LLMEngine:
         owners: dict[int, Request] = {}
         count = 0
         for (req, draw), row in zip(draws, src, strict=True):
-            if req.grammar is None or self._requests.get(req.request_id) is not req:
+            if not req.constrained or self._requests.get(req.request_id) is not req:
                 continue
             matcher = req.states[draw.seq.seq_id].matcher
             if matcher is None or matcher.is_error():

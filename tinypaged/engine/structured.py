@@ -1,4 +1,5 @@
-"""Structured outputs: grammars compiled once per distinct spec, off the engine's step; a matcher per sequence;
+"""Structured outputs: grammars checked once per distinct spec, off the engine's step; a matcher per request
+(its sequences' matchers are copies of it);
 the token masks of a step's constrained rows filled in parallel, while the device runs the forward pass.
 
 Built on llguidance (docs/structured-outputs.md says why): its tokenizer view is made from the model's own
@@ -17,10 +18,12 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import llguidance
 import numpy as np
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GRAMMAR_CACHE_SIZE = 512  # distinct compiled grammars kept (each a few kB to a few MB of lexer state)
 PARALLEL_FILL_ROWS = (
@@ -42,10 +46,10 @@ PARALLEL_FILL_ROWS = (
 
 
 # llguidance's limits, set here rather than left to its defaults so that what a grammar may cost is written down
-# (docs/limits.md). Per step: lexer fuel and Earley items bound one mask's work. Per grammar: the lexer's states
+# (docs/limits.md). Per step: lexer fuel and Earley items bound one mask's work. Per request: the lexer's states
 # (its lazily built DFA, 1-2 kB each) are shared by every matcher copied from one start (deep_copy shares the
-# lexer), so that budget is the grammar's, not a sequence's: a matcher that runs it out fails its request, and
-# the grammar leaves the cache (`GrammarCompiler.evict`) so that the next request starts on a fresh lexer.
+# lexer), so each request builds its own start (`GrammarCompiler.start`) and its sequences' matchers are copies
+# of it: a request that runs its lexer out fails alone, and no other request, nor the cache, sees its lexer.
 # `verbose_errors=False`: an error is one line, without the parser's state or the grammar (a client's schema).
 PARSER_LIMITS = LLParserLimits(
     max_items_in_row=2_000,
@@ -108,24 +112,20 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
         raise RequestError(f"invalid grammar: {e}", "structured_outputs.grammar") from e
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Grammar:
-    """A compiled grammar: each sequence constrained by it gets its own matcher, a copy of this one's start."""
+    """A checked grammar, shared by every request with its spec: immutable (its text), so that nothing one
+    request does can reach another; each request builds its own matcher from it (`GrammarCompiler.start`)."""
 
     key: str  # grammar_key of its spec
     source: str
     compile_s: float  # host time to build and check it, its first mask included
-    _start: LLMatcher  # never advanced: its copies are
-
-    def matcher(self) -> LLMatcher:
-        """A matcher at the grammar's start, for one sequence."""
-        return self._start.deep_copy()
 
 
 class GrammarCompiler:
     """Compiles structured-output specs into Grammars in a small thread pool, one compile per distinct spec
-    (an LRU cache of futures, failures included: a bad schema sent again is refused at once), and fills token
-    masks for a batch of matchers.
+    (an LRU cache of futures, failures included: a bad schema sent again is refused at once), builds each
+    request's matcher from its Grammar in the same pool, and fills token masks for a batch of matchers.
 
     The tokenizer view (the vocabulary as bytes, about a second for a 128k vocabulary) is built on the first
     compile, in the pool, so an engine that never sees a grammar never pays for it.
@@ -174,14 +174,23 @@ class GrammarCompiler:
         """`submit(spec)` waited for (at most the compile time limit)."""
         return wait(self.submit(spec), f"structured_outputs.{spec.kind}")
 
-    def evict(self, grammar: Grammar) -> None:
-        """Drop a grammar from the cache (one of its matchers ran out of a limit its copies share): the next
-        request with its spec compiles a fresh one. Requests already following it keep it."""
-        with self._lock:
-            future = self._cache.get(grammar.key)
-            if future is not None and future.done() and not future.cancelled() and future.exception() is None:
-                if future.result() is grammar:
-                    del self._cache[grammar.key]
+    def start(self, spec: StructuredOutputsParams) -> Future[LLMatcher]:
+        """A request's own matcher at the start of `spec`'s grammar, built in the pool once the grammar is
+        checked (`submit`). Never raises: the future fails as `submit`'s does. Its lexer is this request's
+        alone: a limit it runs out of fails this request, never another with the same spec."""
+        param = f"structured_outputs.{getattr(spec, 'kind', '')}"
+        matcher: Future[LLMatcher] = Future()
+
+        def build(checked: Future[Grammar]) -> None:
+            try:
+                grammar = wait(checked, param, timeout=0)
+                assert self._pool is not None  # submit made it
+                self._pool.submit(self._build_start, grammar, param, matcher)
+            except BaseException as e:  # noqa: BLE001 - the spec refused, or the pool shut down: this request's
+                matcher.set_exception(e if isinstance(e, RequestError | GrammarFailure) else _internal(e))
+
+        self.submit(spec).add_done_callback(build)
+        return matcher
 
     def _forget_unless_cacheable(self, key: str, future: Future[Grammar]) -> None:
         """Keep a compile in the cache if it succeeded or the spec was refused for good; a failure that may not
@@ -209,13 +218,10 @@ class GrammarCompiler:
         """Build and check a grammar (in the pool). Raises RequestError naming `param` when the spec is at
         fault, GrammarFailure otherwise: nothing else leaves it."""
         what = param.split(".")[-1]
-        tokenizer = self.tokenizer()
-        try:
+        with _faults(what, param):
             t0 = time.perf_counter()
             source = grammar_source(spec)
-            start = LLMatcher(tokenizer, source, log_level=0, limits=PARSER_LIMITS)  # GIL released
-            if start.is_error():
-                raise RequestError(f"invalid or unsupported {what}: {first_line(start)}", param)
+            start = self._matcher(source, what, param)
             # The first mask builds the lexer's first states: its cost belongs to the compile, and an error that
             # only shows there (a grammar past llguidance's limits) is the request's 400, not a failure later.
             scratch = np.empty(bitmask_width(self.vocab_size), dtype=np.int32)
@@ -229,15 +235,25 @@ class GrammarCompiler:
                     f"{limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
                     param,
                 )
-            return Grammar(key, source, elapsed, start)
-        except RequestError:
-            raise
-        except _SPEC_FAULTS as e:
-            reason = "it nests too deeply" if isinstance(e, RecursionError) else _short(e)
-            raise RequestError(f"invalid or unsupported {what}: {reason}", param) from e
-        except BaseException as e:  # noqa: BLE001 - a panic in llguidance is a BaseException: still this request's
-            logger.exception("compiling a %s failed", what)
-            raise GrammarFailure(f"compiling the {what} failed (an internal error, logged)") from e
+            return Grammar(key, source, elapsed)
+
+    def _build_start(self, grammar: Grammar, param: str, out: Future[LLMatcher]) -> None:
+        """Build one request's matcher (in the pool) into `out`."""
+        what = param.split(".")[-1]
+        try:
+            with _faults(what, param):
+                matcher = self._matcher(grammar.source, what, param)
+        except BaseException as e:  # noqa: BLE001 - _faults made it RequestError or GrammarFailure
+            out.set_exception(e)
+        else:
+            out.set_result(matcher)
+
+    def _matcher(self, source: str, what: str, param: str) -> LLMatcher:
+        """A new matcher (and lexer) at the start of a grammar's source."""
+        matcher = LLMatcher(self.tokenizer(), source, log_level=0, limits=PARSER_LIMITS)  # GIL released
+        if matcher.is_error():
+            raise RequestError(f"invalid or unsupported {what}: {first_line(matcher)}", param)
+        return matcher
 
     def fill_bitmask(self, matchers: list[LLMatcher], bitmask: torch.Tensor) -> None:
         """Row i of `bitmask` (int32 `[N, bitmask_width]`, contiguous, on the host) := the tokens matcher i
@@ -262,7 +278,7 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def wait(future: Future[Grammar], param: str, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar:
+def wait(future: Future[T], param: str, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> T:
     """A compile's result, waited for at most `timeout`: RequestError naming `param` if the spec is at fault or
     past the time limit, GrammarFailure if the compile failed otherwise (or was cancelled by a shutdown)."""
     try:
@@ -276,7 +292,27 @@ def wait(future: Future[Grammar], param: str, timeout: float = limits.GRAMMAR_CO
     except (RequestError, GrammarFailure):
         raise
     except BaseException as e:  # noqa: BLE001 - a future set by other code: the request's failure all the same
-        raise GrammarFailure(f"compiling the grammar failed: {type(e).__name__}") from e
+        raise _internal(e) from e
+
+
+def _internal(e: BaseException) -> GrammarFailure:
+    return GrammarFailure(f"compiling the grammar failed: {type(e).__name__}")
+
+
+@contextmanager
+def _faults(what: str, param: str) -> Iterator[None]:
+    """Preparing a grammar: RequestError naming `param` when the spec is at fault, GrammarFailure (logged)
+    otherwise; nothing else leaves it."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except _SPEC_FAULTS as e:
+        reason = "it nests too deeply" if isinstance(e, RecursionError) else _short(e)
+        raise RequestError(f"invalid or unsupported {what}: {reason}", param) from e
+    except BaseException as e:  # noqa: BLE001 - a panic in llguidance is a BaseException: still this request's
+        logger.exception("compiling a %s failed", what)
+        raise GrammarFailure(f"compiling the {what} failed (an internal error, logged)") from e
 
 
 def _failed(error: BaseException) -> Future[Grammar]:
