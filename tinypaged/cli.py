@@ -9,8 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
-from tinypaged.config import SERVE_DEFAULTS, ConfigError, EngineConfig
-from tinypaged.engine.liveness import STALL_TIMEOUT_S
+from tinypaged.config import SERVE_DEFAULTS, STALL_TIMEOUT_S, ConfigError, EngineConfig
 from tinypaged.errors import EngineError
 
 

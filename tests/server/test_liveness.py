@@ -52,7 +52,9 @@ async def _metrics(s: aiohttp.ClientSession, url: str) -> tuple[str, dict[str, l
     return text, {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-async def _complete(s: aiohttp.ClientSession, url: str, stream: bool, max_tokens: int = 4) -> tuple[int, list]:
+async def _complete(
+    s: aiohttp.ClientSession, url: str, stream: bool, max_tokens: int = 4
+) -> tuple[int, list]:
     """A completion's status, and its events (streamed) or its body."""
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     async with s.post(url + "/v1/completions", json=body) as r:
@@ -69,7 +71,10 @@ def test_a_stopped_core_stalls_and_resumes_and_a_dead_one_leaves_metrics(model_d
     async def until_idle() -> None:  # the aborts of a stall reached the core: every block is free again
         for _ in range(200):
             stats = engine.stats()
-            if stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks:
+            if (
+                stats.num_running == stats.num_waiting == 0
+                and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+            ):
                 return
             await asyncio.sleep(0.05)
         raise AssertionError(engine.stats())
@@ -175,7 +180,9 @@ def test_a_slow_step_is_no_stall_and_a_stuck_one_is_until_it_returns(llm: LLM, m
         outs = [out async for out in engine.generate("Once upon a time", params, "after")]
         assert outs[-1].finished
         stats = engine.stats()
-        assert stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        assert (
+            stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        )
         await engine.shutdown()
 
     uvloop.run(main())

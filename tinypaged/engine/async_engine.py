@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from tinypaged import limits
-from tinypaged.config import EngineConfig
-from tinypaged.engine.liveness import STALL_TIMEOUT_S, Watchdog, stall_message
+from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
+from tinypaged.engine.liveness import Watchdog, stall_message
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest, Prompt

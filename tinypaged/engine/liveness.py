@@ -17,11 +17,6 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# Long enough for the longest legitimate step, with a wide margin. On 2 CPU cores (the default model) a step of
-# 8,100 prompt tokens took 56 s, 109 s with 20 prompt logprobs; under `tinypaged serve`'s 512-token steps, a
-# chunk with 20 prompt logprobs took 8-19 s. A GPU's first steps of a shape compile Triton kernels (seconds
-# each). A step stuck for longer is noticed within this.
-STALL_TIMEOUT_S = 300.0
 # A core process's heartbeat comes from a thread of its own, which runs whatever a step does (torch lets go of
 # the interpreter lock in its kernels; a Triton compile holds it for seconds): a core silent for this long (or
 # the stall timeout, if shorter) is stopped or frozen, and is noticed far sooner than a stuck step.

@@ -27,12 +27,11 @@ from dataclasses import replace
 from typing import Any
 
 from tinypaged import limits
-from tinypaged.config import EngineConfig
+from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
 from tinypaged.engine.core_process import run_core
 from tinypaged.engine.inputs import InputProcessor
 from tinypaged.engine.liveness import (
     SILENCE_TIMEOUT_S,
-    STALL_TIMEOUT_S,
     Watchdog,
     heartbeat_interval,
     stall_message,
