@@ -62,7 +62,9 @@ class Watchdog:
                 self.stalled, self._since = why, time.monotonic()
                 logger.error("%s: its requests fail, new ones are refused until it moves again", why)
                 self._on_stall(why)
-            elif why is None and self.stalled is not None:
+            elif why is not None:
+                self.stalled = why  # (for how long, as of now)
+            elif self.stalled is not None:
                 stalled_s = time.monotonic() - self._since
                 logger.warning("the engine moves again, %.1f s after it was declared stalled", stalled_s)
                 self.stalled = None

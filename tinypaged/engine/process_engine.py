@@ -247,6 +247,8 @@ class ProcessEngine:
                     self._busy = (0.0, now)  # a step ended: the next heartbeat times the next one
                 rebuild = self._outputs.decode
                 outputs = [out for d in msg.outputs if (out := rebuild(d)) is not None]
+                # (Rebuilding a million logprobs takes seconds here, while the next heartbeats wait in the pipe.)
+                self._heard_at = time.monotonic()
             elif isinstance(msg, Failed):
                 for rid in msg.request_ids:
                     self._outputs.drop(rid)
