@@ -7,8 +7,9 @@ tenth of the steps' time when both ran in one process. `tinypaged serve` runs th
 `--no-engine-process` keeps the engine in the server's process (`AsyncEngine`).
 
 Liveness: a core that exits is dead (every request fails, and every new one). A core that makes no step for the
-stall timeout while it has work, or sends no heartbeat for as long (stopped, frozen), is stalled (liveness.py):
-its requests fail and are aborted, new ones are refused, until it moves again.
+stall timeout while it has work, or sends no heartbeat for SILENCE_TIMEOUT_S (stopped, frozen; or the stall
+timeout, if shorter), is stalled (liveness.py): its requests fail and are aborted, new ones are refused, until it
+moves again.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ _STALLED_STOP_WAIT_S = 5.0  # the same for a stalled core, which may never read 
 class ProcessEngine:
     """An engine core in a child process, started (and its model loaded) when this is built: `await start()`,
     `async for out in generate(...)`, `await shutdown()`. EngineError, or the core's own error, if it cannot
-    start. `stall_timeout`: seconds without a step (while it has work) or a heartbeat before the core is
-    declared stalled (0 or None: never)."""
+    start. `stall_timeout`: seconds without a step while it has work (or without a heartbeat, up to
+    SILENCE_TIMEOUT_S) before the core is declared stalled (0 or None: never)."""
 
     def __init__(
         self,
