@@ -263,9 +263,11 @@ async def models(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.StreamResponse:
-    """GET /health: 200 while the engine loop runs and the server is not draining."""
-    if request.app[DRAINING].is_set() or not request.app[ENGINE].is_running:
-        return json_response({"status": "unavailable"}, 503)
+    """GET /health: 200 while the engine serves and the server is not draining; 503 naming why not (the
+    engine dead, or stalled: no step for the stall timeout)."""
+    why = "the server is shutting down" if request.app[DRAINING].is_set() else request.app[ENGINE].unavailable
+    if why is not None:
+        return json_response({"status": "unavailable", "message": why}, 503)
     return json_response({"status": "ok"})
 
 
@@ -277,7 +279,7 @@ async def version(request: web.Request) -> web.StreamResponse:
 async def metrics(request: web.Request) -> web.StreamResponse:
     """GET /metrics in the Prometheus text format."""
     engine = request.app[ENGINE]
-    text = request.app[SERVING].metrics.render(engine.stats(), engine.core_pid)
+    text = request.app[SERVING].metrics.render(engine.stats(), engine.core_pid, engine.unavailable)
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
