@@ -205,7 +205,8 @@ class ProcessEngine:
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar (structured outputs) in the core's grammar pool, once per distinct
-        grammar; RequestError naming the parameter if it is invalid, unsupported or too slow to compile."""
+        grammar; RequestError naming the parameter if it is invalid, unsupported or too slow to compile,
+        EngineError if its compile failed otherwise."""
         spec = params.structured_outputs
         if spec is None:
             return
@@ -218,8 +219,8 @@ class ProcessEngine:
             ) from e
         if reply.refused:
             raise RequestError(reply.error or "", reply.param, reply.code)
-        if reply.error is not None:
-            raise RequestError(reply.error, f"structured_outputs.{spec.kind}")
+        if reply.error is not None:  # not the spec's fault: this request fails alone, as a 500
+            raise EngineError(f"compiling the {spec.kind} failed: {reply.error}")
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 

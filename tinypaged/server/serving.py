@@ -208,6 +208,8 @@ class OpenAIServing:
         except RequestError as e:
             keep = param == "structured_outputs" and e.param is not None
             raise APIError(400, str(e), param=e.param if keep else param) from e
+        except EngineDeadError as e:  # dead or stalled: the same 503 as any other request gets
+            raise engine_unavailable(e) from e
 
     def sampling_params(
         self,
@@ -297,6 +299,9 @@ class OpenAIServing:
         except EngineError as e:
             outcome = "error"
             raise internal_error(request_id, str(e)) from e
+        except RequestError as e:  # refused where it was queued (the engine core's own checks)
+            outcome = "error"
+            raise request_error(e) from e
         except Exception:
             outcome = "error"
             raise
