@@ -1,5 +1,6 @@
-"""The docs cite code that exists: every file path and every code name in docs/*.md and README.md is checked
-against the tree and the imported modules, so a rename that leaves a doc behind fails here."""
+"""The docs cite code that exists: every file path and every code name in docs/*.md, README.md and BENCHMARKS.md
+(whose headline cites its result files) is checked against the tree and the imported modules, so a rename that
+leaves a doc behind fails here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import tinypaged
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "BENCHMARKS.md"]
 SPAN = re.compile(r"`([^`\n]+)`")
 # A code name: dotted identifiers, maybe called, maybe with a return annotation (`f(x) -> T`).
 NAME = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?(?:\s*->.*)?$")

@@ -9,7 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
-from tinypaged.config import SERVE_DEFAULTS, ConfigError, EngineConfig
+from tinypaged.config import SERVE_DEFAULTS, STALL_TIMEOUT_S, ConfigError, EngineConfig
 from tinypaged.errors import EngineError
 
 
@@ -57,8 +57,12 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         idle_timeout=args.idle_timeout,
     )
+    if not args.engine_stall_timeout >= 0:
+        raise ValueError(
+            f"--engine-stall-timeout must be 0 (off) or positive, not {args.engine_stall_timeout}"
+        )
     engine = ProcessEngine if args.engine_process else AsyncEngine
-    return serve(lambda: engine(engine_config), server_config)
+    return serve(lambda: engine(engine_config, stall_timeout=args.engine_stall_timeout), server_config)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -148,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="run the engine core in a process of its own, so that the HTTP work does not share the steps' "
         "interpreter lock (--no-engine-process: in the server's process)",
+    )
+    srv.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        help="seconds the engine may go without a step while it has work (or its core process without a "
+        "heartbeat) before it is declared stalled: /health answers 503 naming it and its requests fail, until it "
+        "steps again (0: never)",
     )
     srv.set_defaults(func=_serve)
 

@@ -22,8 +22,19 @@ TEMPERATURE = (0.0, 2.0)  # OpenAI's range
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 # Structured outputs (engine/structured.py): a JSON schema (as JSON text), regex, grammar or choices together.
 MAX_GRAMMAR_CHARS = 64 * 1024
+# Nesting of a JSON schema's objects and arrays (a property's schema is two levels below its object's: the
+# `properties` map, then the schema). Checked without recursion, before any compiler sees the schema; real
+# schemas stay far below it, and llguidance's JSON reader stops at 128.
+MAX_SCHEMA_DEPTH = 64
 MAX_CHOICES = 1024
 # A grammar that takes longer to compile (and to compute its first token mask) is refused with a 400.
 # llguidance's own limits (LLParserLimits' defaults) bound each later step's mask; past them the request fails.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 MAX_TOOLS = 128  # functions in one chat request's `tools`
+# JSON nested deeper than this is refused with a 400 naming the parameter: the request body (counted from its
+# top) and each JSON string the server parses (tool-call arguments, a schema given as text). Real schemas and
+# arguments nest tens of levels at most (OpenAI's strict schemas: 10 object levels, about 20 JSON levels). It
+# keeps every walk of a value (json.dumps, a chat template's tojson and macros) far from Python's stack limit,
+# and a schema, even wrapped by a "required" tool_choice (5 levels more), under the 127 levels llguidance's
+# JSON parser (serde_json's default limit) takes.
+MAX_JSON_DEPTH = 64

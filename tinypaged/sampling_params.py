@@ -48,13 +48,24 @@ class StructuredOutputsParams:
         param = f"structured_outputs.{kind}"
         if kind == "json":
             if isinstance(self.json, str):
+                if len(self.json) > limits.MAX_GRAMMAR_CHARS:  # before it is parsed
+                    raise RequestError(
+                        f"json is {len(self.json)} characters long; the limit is {limits.MAX_GRAMMAR_CHARS}",
+                        param,
+                    )
                 try:
                     self.json = json.loads(self.json)
+                except RecursionError as e:
+                    raise RequestError(schema_depth_error(), param) from e
                 except ValueError as e:
                     raise RequestError(f"a JSON schema must be valid JSON: {e}", param) from e
             if not isinstance(self.json, dict):
                 raise RequestError("a JSON schema is an object", param)
-            text = json.dumps(self.json)
+            check_schema(self.json, param)
+            try:
+                text = json.dumps(self.json, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"a JSON schema must be JSON data: {e}", param) from e
         elif kind == "choice":
             choice = self.choice
             if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
@@ -90,6 +101,26 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint this is: json, regex, choice, grammar or json_object."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+def check_schema(schema: dict[str, Any], param: str) -> None:
+    """RequestError naming `param` if a JSON schema nests deeper than limits.MAX_SCHEMA_DEPTH or holds a number
+    JSON cannot write (Infinity, NaN). A walk with its own stack: no depth makes it recurse."""
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > limits.MAX_SCHEMA_DEPTH:
+                raise RequestError(schema_depth_error(), param)
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list | float))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(f"a JSON schema's numbers must be finite, got {value}", param)
+
+
+def schema_depth_error() -> str:
+    """Why a schema nested too deeply is refused."""
+    return f"a JSON schema may nest objects and arrays at most {limits.MAX_SCHEMA_DEPTH} levels deep"
 
 
 class RequestOutputKind(enum.Enum):

@@ -5,18 +5,26 @@ waited for outside the scheduler."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import re
 from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
+import uvloop
+from llguidance import LLParserLimits
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.config import EngineConfig
+from tinypaged.engine import structured
+from tinypaged.engine.process_engine import ProcessEngine
 from tinypaged.engine.request import EngineRequest
-from tinypaged.engine.structured import bitmask_width
+from tinypaged.engine.structured import GrammarFailure, bitmask_width
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams as Structured
 
@@ -257,7 +265,8 @@ def test_compiled_once_and_waited_for_outside_the_scheduler(llm: LLM) -> None:
         finished.update((o.request_id, o) for o in engine.step().outputs if o.finished)
         assert engine.scheduler.get_seq_group("slow") is None  # held back; "other" runs
     assert "other" in finished and engine.stats().num_waiting == 1
-    slow.set_result(compiled)
+    assert compiled is engine.grammars.compile(spec)  # shared, immutable
+    slow.set_result(engine.grammars.start(spec).result(10))  # this request's own matcher
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step().outputs if o.finished)
     assert re.fullmatch("[0-9]{4}", finished["slow"].outputs[0].text)
@@ -274,12 +283,12 @@ def test_compiled_once_and_waited_for_outside_the_scheduler(llm: LLM) -> None:
 def test_masks_filled_in_parallel_equal_serial(llm: LLM) -> None:
     """A large batch's masks (llguidance's threads) are the ones each matcher gives alone."""
     grammars = llm.engine.grammars
-    grammar = grammars.compile(Structured(json=SCHEMAS[0]))
+    start = grammars.start(Structured(json=SCHEMAS[0])).result(10)
     tok = grammars.tokenizer()
     prefixes = ['{"name": "', '{"name": "Al', '{"name": "Bo", "address": {"city": "X"', '{"na']
     matchers = []
     for i in range(40):
-        m = grammar.matcher()
+        m = start.deep_copy()
         assert m.consume_tokens(tok.tokenize_str(prefixes[i % len(prefixes)]))
         matchers.append(m)
     width = bitmask_width(grammars.vocab_size)
@@ -289,3 +298,202 @@ def test_masks_filled_in_parallel_equal_serial(llm: LLM) -> None:
     for i, m in enumerate(matchers):
         grammars.fill_bitmask([m], alone[i : i + 1])
     assert torch.equal(together, alone) and len({tuple(r.tolist()) for r in alone}) == len(prefixes)
+
+
+def nested(depth: int, leaf: dict | None = None) -> dict:
+    """`depth` arrays of arrays around `leaf`, built without recursion."""
+    schema = leaf if leaf is not None else {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _serves(llm: LLM) -> None:
+    """The engine is alive and answers a plain request and a constrained one, with nothing left behind."""
+    plain, constrained = llm.generate(
+        [PROMPT, PROMPT],
+        [
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            SamplingParams(
+                temperature=0.0, max_tokens=8, structured_outputs=Structured(choice=["yes", "no"])
+            ),
+        ],
+    )
+    assert len(plain.outputs[0].token_ids) == 2 and constrained.outputs[0].text in ("yes", "no")
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+
+
+# Specs the probe of 2026-12-02 sent (each took the engine core down) and their kin: refused with a 400 naming the
+# parameter, whichever check finds them (the spec check, llguidance's converters, the matcher, its first mask).
+HOSTILE = [
+    dict(json='{"type": "string", "maxLength": Infinity}'),
+    dict(json='{"type": "integer", "minimum": 1e400}'),
+    dict(json={"enum": [float("nan")]}),
+    dict(json=nested(130)),
+    dict(json=nested(100_000)),
+    dict(json="[" * 60_000),
+    dict(json='{"a": ' * 30_000 + "1" + "}" * 30_000),
+    dict(json={"type": "string", "maxLength": 1e300}),
+    dict(json={"type": "integer", "minimum": -(10**400)}),
+    dict(json={"type": "integer", "minimum": -1e30, "maximum": 1e30}),
+    dict(json={"type": "string", "pattern": "a(b"}),
+    dict(json={"type": "string"}, whitespace_pattern="(("),
+    dict(regex="(" * 300 + "a" + ")" * 300),
+    dict(regex="[z-a]"),
+    dict(grammar="start: " + "(" * 3000 + '"a"' + ")" * 3000),
+    dict(grammar="root ::= " + "(" * 3000 + '"a"' + ")" * 3000),
+]
+
+
+@pytest.mark.parametrize("spec", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_specs_fail_alone(llm: LLM, spec: dict) -> None:
+    """Each is a RequestError naming its field, nothing stays queued, and the engine serves the next request."""
+    kind = next(k for k in ("json", "regex", "grammar") if k in spec)
+    with pytest.raises(RequestError) as e:
+        llm.generate(PROMPT, SamplingParams(max_tokens=2, structured_outputs=Structured(**spec)))
+    assert e.value.param in (f"structured_outputs.{kind}", "structured_outputs.whitespace_pattern"), e.value
+    _serves(llm)
+
+
+class _Panic(BaseException):
+    """What a panic inside llguidance raises (pyo3's PanicException is a BaseException)."""
+
+
+@pytest.mark.parametrize(
+    ("error", "refused"),
+    [
+        (ValueError("refused"), True),
+        (RecursionError("too deep"), True),
+        (MemoryError(), True),
+        (KeyError("a bug"), False),
+        (_Panic("a panic"), False),
+    ],
+)
+def test_any_compile_failure_fails_its_request_alone(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, error: BaseException, refused: bool
+) -> None:
+    """Whatever preparing a grammar raises fails its request alone: a RequestError naming the field when the
+    spec is at fault, else GrammarFailure, from the pool, never the caller's thread (LLM, the engine's step).
+    A failure that may not repeat is not cached."""
+    engine = llm.engine
+
+    def failing(spec: Structured) -> str:
+        raise error
+
+    monkeypatch.setattr(structured, "grammar_source", failing)
+    spec = Structured(regex=f"compile failure {type(error).__name__}")
+    future = engine.grammars.submit(spec)  # returns at once, whatever the compile does
+    with pytest.raises(RequestError if refused else GrammarFailure) as e:
+        llm.generate(PROMPT, SamplingParams(max_tokens=2, structured_outputs=spec))
+    if refused:
+        assert e.value.param == "structured_outputs.regex"
+    assert (engine.grammars.submit(spec) is future) == (refused and not isinstance(error, MemoryError))
+    # A request queued while its compile runs, which then fails, ends at a step with the reason; the others go on.
+    compiling: Future = Future()
+    sp = SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=spec)
+    engine.add(EngineRequest("failed", PROMPT, engine.tokenizer.encode(PROMPT), sp, compiling))
+    engine.add_request("other", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    outs = {o.request_id: o for o in engine.step().outputs if o.finished}
+    compiling.set_exception(future.exception())
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step().outputs if o.finished)
+    assert outs["failed"].error_kind == ("invalid" if refused else "internal") and not outs["failed"].outputs
+    assert len(outs["other"].outputs[0].token_ids) == 2
+    monkeypatch.undo()
+    _serves(llm)
+
+
+def test_exhausted_lexer_fails_its_request_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request builds its own matcher (llguidance's deep_copy shares a lexer, so copies of one cached
+    start would share its lexer-state budget): a request that runs its lexer out fails with the reason (never
+    "stop" with a partial output), the shared grammar stays as it was, and the next request with it, or one
+    beside it, is not poisoned."""
+    monkeypatch.setattr(
+        structured, "PARSER_LIMITS", LLParserLimits(max_lexer_states=2000, verbose_errors=False)
+    )
+    regex = "(.*a.{200}c)"  # a DFA of 2^200 states: each step builds new ones
+    spec = Structured(regex=regex)
+    grammar = llm.engine.grammars.compile(spec)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=16, structured_outputs=spec) for i in range(4)
+    ]
+    outs = llm.generate([PROMPT] * 4, params)
+    failed = [o for o in outs if o.error is not None]
+    assert failed, [o.outputs[0].finish_reason for o in outs]
+    for o in failed:
+        assert o.error_kind == "invalid" and not o.outputs, o
+        assert "structured_outputs.regex" in o.error and "too many states" in o.error, o.error
+    for o in outs:
+        if o.error is None:
+            assert o.outputs[0].finish_reason == "length", o.outputs[0]  # 202 characters at least
+    assert llm.engine.grammars.compile(spec) is grammar  # immutable: nothing to evict
+    # One request's matcher run out of lexer states leaves another's with the same spec as it was.
+    grammars = llm.engine.grammars
+    exhausted, beside = grammars.start(spec).result(10), grammars.start(spec).result(10)
+    mask = np.zeros(bitmask_width(grammars.vocab_size), dtype=np.int32)
+    rng = random.Random(0)
+    for _ in range(200):  # random allowed tokens: new lexer states at every step, until its budget ends
+        exhausted.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if exhausted.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        assert exhausted.consume_token(int(rng.choice(allowed)))
+    assert exhausted.is_error() and "too many states" in exhausted.get_error()
+    beside.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    assert not beside.is_error() and mask.any()
+    again = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=spec))[0]
+    assert again.error is None and again.outputs[0].finish_reason == "length"
+    assert len(again.outputs[0].token_ids) == 2 and again.outputs[0].text
+    monkeypatch.undo()
+    _serves(llm)
+
+
+def test_core_process_survives_bad_grammars(model_dir: Path) -> None:
+    """The engine-core process: specs refused by its compiler (sent without waiting for the compile, the path
+    that killed it) end their requests with the reason; concurrent requests whose lexers run
+    out of a limit each follow it or fail with the reason; the next request with it is not poisoned; the core
+    serves on with every block free."""
+    engine = ProcessEngine(EngineConfig(model=model_dir, seed=0))
+    regex = "(.*[aeiou].{100}[a-z])"  # runs out of llguidance's lexer budget about 20 tokens in
+
+    async def final(spec: Structured, max_tokens: int, rid: str, seed: int = 0):  # noqa: ANN202
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=spec)
+        return [out async for out in engine.generate(PROMPT, sp, rid)][-1]
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            bad = [
+                Structured(json={"type": "string", "maxLength": 1e300}),
+                Structured(json={"type": "integer", "minimum": -(10**400)}),
+                Structured(json=nested(60, {"type": "string", "pattern": "a(b"})),
+                Structured(regex="(" * 300 + "a" + ")" * 300),
+            ]
+            for i, spec in enumerate(bad):
+                out = await final(spec, 2, f"bad{i}")
+                assert out.finished and out.error_kind == "invalid" and not out.outputs, out
+                with pytest.raises(RequestError) as e:
+                    await engine.compile_grammar(SamplingParams(structured_outputs=spec))
+                assert e.value.param == f"structured_outputs.{spec.kind}"
+            spec = Structured(regex=regex)
+            outs = await asyncio.gather(*(final(spec, 48, f"r{i}", seed=i) for i in range(4)))
+            for o in outs:
+                if o.error is not None:
+                    assert o.error_kind == "invalid" and "structured_outputs.regex" in o.error, o.error
+                else:
+                    text = o.outputs[0].text
+                    assert o.outputs[0].finish_reason == "length" or re.fullmatch(regex, text, re.S), text
+            assert any(o.error is not None for o in outs)
+            again = await final(spec, 3, "again")
+            assert again.error is None and len(again.outputs[0].token_ids) == 3, again
+            plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            out = [o async for o in engine.generate(PROMPT, plain, "plain")][-1]
+            assert len(out.outputs[0].token_ids) == 2
+            stats = engine.stats()
+            assert stats.num_running == stats.num_waiting == 0
+            await engine.check_integrity()
+        finally:
+            await engine.shutdown()
+
+    uvloop.run(main())

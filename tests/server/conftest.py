@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -192,3 +193,30 @@ def raw(server: LiveServer) -> Iterator[Raw]:
     """Raw requests to the server; the test leaves the engine idle with all blocks free."""
     yield Raw(server.url)
     server.wait_idle()
+
+
+def _exchange(url: str, raw_request: bytes) -> bytes:
+    """Send bytes as they are (any header, any framing) and return the server's answer: its head and its
+    Content-Length of body, or all it sends until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            sock.sendall(raw_request)
+        except OSError:  # closed by the server before it read everything: its answer is there to read
+            pass
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            head, sep, body = answer.partition(b"\r\n\r\n")
+            lengths = [
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")
+            ]
+            if sep and lengths and len(body) >= lengths[0]:
+                break
+    return answer
+
+
+@pytest.fixture
+def exchange() -> Callable[[str, bytes], bytes]:
+    """`exchange(url, raw_request)`: bytes sent as they are (any header, any framing), the answer read back."""
+    return _exchange

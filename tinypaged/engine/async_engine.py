@@ -5,23 +5,28 @@ and wake the loop task, which applies the queued adds/aborts (and takes the snap
 then runs `LLMEngine.step()` in a single worker thread (so the event loop keeps accepting and streaming while
 the model computes), back to back until an operation is queued, handing each step's RequestOutputs to their
 requests' stream slots as the step completes. A step never races with an add, an abort or a snapshot.
+A step thread that makes no step for the stall timeout is stalled (liveness.py): its requests fail and are
+aborted, new ones are refused, until it steps again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from tinypaged import limits
-from tinypaged.config import EngineConfig
+from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
+from tinypaged.engine.liveness import Watchdog, stall_message
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.engine.streams import Streams
+from tinypaged.engine.structured import wait
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
@@ -41,9 +46,15 @@ class _GroupFailed(EngineDeadError):
 
 class AsyncEngine:
     """Async front of the engine (the `EngineClient` protocol): `await start()`, `async for out in
-    generate(...)`, `await shutdown()`."""
+    generate(...)`, `await shutdown()`. `stall_timeout`: seconds the step thread may take over one step before
+    the engine is declared stalled (0 or None: never)."""
 
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine: LLMEngine | None = None,
+        stall_timeout: float | None = STALL_TIMEOUT_S,
+    ) -> None:
         self._config = config
         # An existing LLMEngine may be passed in (tests share one model load); it must be idle, and it is its
         # owner's to shut down.
@@ -62,6 +73,9 @@ class AsyncEngine:
         # Requests submitted but not yet added (their add op is queued), and their sequences: they wait too.
         self._pending_requests = 0
         self._pending_seqs = 0
+        # When the step thread began its current step (None while no step runs), for the watchdog.
+        self._step_since: float | None = None
+        self._watchdog = Watchdog(stall_timeout, self._why_stalled, self._on_stall)
 
     # ---- passthroughs ---------------------------------------------------------------------------------
 
@@ -92,10 +106,7 @@ class AsyncEngine:
     async def snapshot(self) -> EngineSnapshot:
         """The KV cache's blocks and the stats, taken by the loop task between two steps: the next time it applies
         queued operations, so at most one step from now. EngineError if the loop stops first."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
+        self._check_serving()
         await self.start()
         assert self._task is not None
         taken: asyncio.Future[EngineSnapshot] = asyncio.get_running_loop().create_future()
@@ -121,6 +132,17 @@ class AsyncEngine:
     def is_running(self) -> bool:
         """True between start() and shutdown() while the loop task is alive."""
         return self._task is not None and not self._task.done()
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine cannot serve now (not started, shut down, dead, stalled); None while it serves."""
+        if self._dead is not None:
+            return self._dead
+        if self._stopped:
+            return "the engine has been shut down"
+        if not self.is_running:
+            return "the engine has not started"
+        return self._watchdog.stalled
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -150,11 +172,13 @@ class AsyncEngine:
         self.engine.executor.on_failure(group_failed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinypaged-step")
         self._task = self._loop.create_task(self._run(), name="tinypaged-engine-loop")
+        self._watchdog.start()
 
     async def shutdown(self) -> None:
         """Stop the loop (after the step in flight); unfinished requests fail with EngineError. The engine it
         made stops too, with every tensor-parallel rank."""
         self._stopped = True
+        self._watchdog.stop()
         if self._task is not None:
             assert self._wake is not None
             self._wake.set()
@@ -180,10 +204,7 @@ class AsyncEngine:
         between them. Closing or cancelling the iterator, or dropping it unread (a client gone), aborts the
         request and frees its blocks before the next step. A failure inside the engine raises EngineError.
         """
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
+        self._check_serving()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         request = replace(
@@ -203,7 +224,7 @@ class AsyncEngine:
         spec = params.structured_outputs
         if spec is None:
             return
-        future = self.engine.grammars.submit(spec)
+        future = self.engine.grammars.submit(spec)  # never raises; the compile runs in the pool
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), limits.GRAMMAR_COMPILE_TIMEOUT_S)
         except TimeoutError as e:
@@ -211,11 +232,42 @@ class AsyncEngine:
                 f"the {spec.kind} did not compile within {limits.GRAMMAR_COMPILE_TIMEOUT_S} s",
                 f"structured_outputs.{spec.kind}",
             ) from e
+        except BaseException:
+            if not future.done():
+                raise  # this coroutine was cancelled
+        wait(future, f"structured_outputs.{spec.kind}", timeout=0)  # RequestError or GrammarFailure
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finished output (finish_reason "abort")."""
         if request_id in self._streams:
             self._submit(("abort", request_id))
+
+    def _check_serving(self) -> None:
+        """EngineDeadError if the loop died or the engine is stalled, EngineError if it was shut down."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._stopped:
+            raise EngineError("the engine has been shut down")
+        if self._watchdog.stalled is not None:
+            raise EngineDeadError(self._watchdog.stalled)
+
+    # ---- liveness (the watchdog's probe and verdict) ----------------------------------------------------
+
+    def _why_stalled(self, timeout: float) -> str | None:
+        since = self._step_since
+        stuck = time.monotonic() - since if since is not None else 0.0
+        if stuck > timeout:
+            return stall_message(
+                "the engine", stuck, "with work: its step thread is stuck in a step", timeout
+            )
+        return None
+
+    def _on_stall(self, why: str) -> None:
+        """The step is stuck: its requests fail now, and are aborted once (if ever) it returns."""
+        ids = self._streams.ids()
+        self._streams.fail(ids, EngineDeadError(why))
+        for rid in ids:
+            self._submit(("abort", rid))
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -273,9 +325,13 @@ class AsyncEngine:
         last one's outputs: with hundreds of streams, waiting left the engine idle a fifth of the time. An add,
         abort or snapshot ends the run after the step in flight, so that the loop applies it between steps."""
         engine = self.engine
-        while not self._stopped and not self._ops and engine.has_unfinished_requests():
-            result = engine.step()
-            loop.call_soon_threadsafe(self._deliver, result)
+        try:
+            while not self._stopped and not self._ops and engine.has_unfinished_requests():
+                self._step_since = time.monotonic()
+                result = engine.step()
+                loop.call_soon_threadsafe(self._deliver, result)
+        finally:
+            self._step_since = None
 
     def _deliver(self, result: StepResult) -> None:
         self._streams.dispatch(result.outputs)

@@ -40,6 +40,12 @@ class EngineClient(Protocol):
         """True while the engine serves (started, not shut down, not failed)."""
         ...
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine cannot serve now: not started, shut down, dead, or stalled (no step for the stall
+        timeout while it has work, or a core process silent that long); None while it serves."""
+        ...
+
     async def start(self) -> None:
         """Start serving (idempotent)."""
         ...

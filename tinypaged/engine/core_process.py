@@ -4,7 +4,8 @@ Its main thread owns the LLMEngine and runs steps back to back while there is wo
 applies what the server sent (requests, aborts, queries), and after each step it sends the step's outputs as
 one message (wire.py). The HTTP work of hundreds of streams then runs in the server's process, beside this
 one, instead of sharing its interpreter lock with the steps. `ProcessEngine` (process_engine.py) is the other
-end.
+end. A thread of its own beats a heartbeat saying how long the main loop has been in its current step, so that
+the server tells a stalled step, or a frozen process, from a slow step (liveness.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.queued_step import StepError
 from tinypaged.engine.request import EngineRequest
-from tinypaged.engine.wire import Channel, Dead, DeltaEncoder, Failed, Outputs, Ready, Reply, encode
+from tinypaged.engine.wire import Beat, Channel, Dead, DeltaEncoder, Failed, Outputs, Ready, Reply, encode
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestOutput
 
@@ -65,9 +66,12 @@ class _Inbox:
         return ops
 
 
-def run_core(config: EngineConfig, ops: Connection, results: Connection, log_level: int) -> None:
+def run_core(
+    config: EngineConfig, ops: Connection, results: Connection, log_level: int, beat_every: float
+) -> None:
     """The engine-core process: build the engine, serve the server's requests until told to stop (or until the
-    server's end of the pipe closes), shut the engine down. Exits non-zero if the engine failed."""
+    server's end of the pipe closes), shut the engine down, with a heartbeat every `beat_every` seconds from
+    its start of serving. Exits non-zero if the engine failed."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(message)s")
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the server drains its requests
     # and then stops this process through the pipe (or its end closes, if it dies).
@@ -95,7 +99,9 @@ def run_core(config: EngineConfig, ops: Connection, results: Connection, log_lev
 
     engine.executor.on_failure(group_failed)
     channel.send(encode(Ready(engine.stats())))
-    code = _Core(engine, channel).serve(inbox)
+    core = _Core(engine, channel)
+    threading.Thread(target=core.beat, args=(beat_every,), name="tinypaged-heartbeat", daemon=True).start()
+    code = core.serve(inbox)
     try:
         engine.shutdown()
     finally:
@@ -120,13 +126,29 @@ class _Core:
         self.applied = 0  # requests added so far
         self._stats = engine.stats()  # the load as last read (_send)
         self._stats_due = 0.0
+        # When the main loop began its current pass (applying what arrived, then one step); None while it waits
+        # for work. The heartbeat thread reads it.
+        self.busy_since: float | None = None
+
+    def beat(self, every: float) -> None:
+        """The heartbeat thread: how long the main loop has been in its current pass, every `every` seconds.
+        A thread of its own, so that the beat goes on while a step runs (a step stuck in a call that lets go
+        of the interpreter lock shows as a growing `busy_s`; a frozen process, as no beat at all)."""
+        while True:
+            time.sleep(every)
+            since = self.busy_since
+            self.channel.send(encode(Beat(0.0 if since is None else time.monotonic() - since)))
 
     def serve(self, inbox: _Inbox) -> int:
         """Apply what arrives and step while there is work; 0 once told to stop, 1 if the engine died."""
         engine = self.engine
         try:
             while True:
-                ops = inbox.take(block=not engine.has_unfinished_requests())
+                idle = not engine.has_unfinished_requests()
+                if idle:
+                    self.busy_since = None
+                ops = inbox.take(block=idle)
+                self.busy_since = time.monotonic()
                 if ops and not self._apply(ops):
                     return 0
                 if engine.has_unfinished_requests():
@@ -176,7 +198,7 @@ class _Core:
                 _, request_id, prompt, ids, params, client_request_id = op
                 self.applied += 1
                 spec = params.structured_outputs
-                grammar = engine.grammars.submit(spec) if spec is not None else None
+                grammar = engine.grammars.start(spec) if spec is not None else None
                 try:
                     engine.add(EngineRequest(request_id, prompt, ids, params, grammar, client_request_id))
                 except RequestError as e:

@@ -4,13 +4,18 @@ context. A request that cannot run raises RequestError naming the parameter, bef
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.structured import Grammar, GrammarCompiler, wait
+from tinypaged.engine.structured import GrammarCompiler, wait
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 def logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
@@ -70,7 +75,7 @@ class InputProcessor:
             raise context_length_error(cfg.max_model_len, len(ids))
         check_logprob_entries(logprob_entries(params, len(ids), cfg.max_model_len))
         spec = params.structured_outputs
-        grammar = self.grammars.submit(spec) if spec is not None and self.grammars is not None else None
+        grammar = self.grammars.start(spec) if spec is not None and self.grammars is not None else None
         return EngineRequest(request_id, text, ids, params, grammar)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -100,9 +105,11 @@ class InputProcessor:
         return text, ids
 
 
-def wait_grammar(request: EngineRequest, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S) -> Grammar | None:
-    """The compiled grammar of a checked request (None without structured outputs), waited for; RequestError
-    naming the parameter if it is invalid or does not compile in time."""
+def wait_grammar(
+    request: EngineRequest, timeout: float = limits.GRAMMAR_COMPILE_TIMEOUT_S
+) -> LLMatcher | None:
+    """The matcher of a checked request (None without structured outputs), waited for; RequestError naming the
+    parameter if its grammar is invalid or does not compile in time."""
     spec = request.params.structured_outputs
     if request.grammar is None or spec is None:
         return None

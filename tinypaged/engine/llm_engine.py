@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from llguidance import LLMatcher
 
 from tinypaged import limits, ops
 from tinypaged.config import EngineConfig
@@ -22,13 +23,13 @@ from tinypaged.engine.beam_search import BeamSearch
 from tinypaged.engine.executor import Executor
 from tinypaged.engine.inputs import InputProcessor
 from tinypaged.engine.model_runner import ExecuteOutput
-from tinypaged.engine.output_processor import OutputProcessor
+from tinypaged.engine.output_processor import GrammarError, OutputProcessor
 from tinypaged.engine.parallel_sampling import ParallelSampling
 from tinypaged.engine.queued_step import QueuedStep, StepError
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
-from tinypaged.engine.structured import Grammar, GrammarCompiler, bitmask_width, wait
+from tinypaged.engine.structured import GrammarCompiler, bitmask_width, first_line, wait
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
@@ -87,7 +88,7 @@ class LLMEngine:
         self._inflight: QueuedStep | None = None  # a deferred step, applied during the next one
         # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
         # scheduler sees them once it is ready, and the other requests run meanwhile.
-        self._compiling: dict[str, tuple[Request, Future[Grammar], float]] = {}
+        self._compiling: dict[str, tuple[Request, Future[LLMatcher], float]] = {}
         # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
         # pruned each step of those that ended.
         self._constrained: set[str] = set()
@@ -110,12 +111,15 @@ class LLMEngine:
 
     def add(self, request: EngineRequest) -> None:
         """Queue a checked request (see `process_inputs`); RequestError if its id is in use or its grammar is
-        known to be bad. A request whose grammar still compiles waits for it outside the scheduler."""
+        known to be bad. A request whose grammar still compiles (or failed for another reason) waits for it
+        outside the scheduler, and ends at the next step if it failed."""
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         grammar = request.grammar
-        if grammar is not None and grammar.done() and grammar.exception() is not None:
-            raise grammar.exception()  # type: ignore[misc]
+        if grammar is not None and grammar.done() and not grammar.cancelled():
+            error = grammar.exception()
+            if isinstance(error, RequestError):
+                raise error
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
         # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
@@ -132,16 +136,16 @@ class LLMEngine:
         self._requests[request.request_id] = req
         if grammar is None:
             self.scheduler.add_seq_group(group)
-        elif grammar.done():
+        elif grammar.done() and not grammar.cancelled() and grammar.exception() is None:
             self._start_constrained(req, grammar.result())
         else:
             deadline = time.monotonic() + limits.GRAMMAR_COMPILE_TIMEOUT_S
             self._compiling[request.request_id] = (req, grammar, deadline)
 
-    def _start_constrained(self, req: Request, grammar: Grammar) -> None:
-        """Hand a request whose grammar is compiled to the scheduler, its first sequence at the grammar's start."""
-        req.grammar = grammar
-        req.states[req.group.seqs[0].seq_id].matcher = grammar.matcher()
+    def _start_constrained(self, req: Request, matcher: LLMatcher) -> None:
+        """Hand a request whose matcher is built to the scheduler, its first sequence at the grammar's start."""
+        req.constrained = True
+        req.states[req.group.seqs[0].seq_id].matcher = matcher
         self._constrained.add(req.request_id)
         self.scheduler.add_seq_group(req.group)
 
@@ -157,13 +161,12 @@ class LLMEngine:
             if not grammar.done() and now < deadline:
                 continue
             del self._compiling[request_id]
+            spec = req.params.structured_outputs
             try:
-                spec = req.params.structured_outputs
-                assert spec is not None
-                result = wait(grammar, f"structured_outputs.{spec.kind}", timeout=0)
-            except RequestError as e:
+                result = wait(grammar, f"structured_outputs.{spec.kind if spec else ''}", timeout=0)
+            except Exception as e:  # the spec at fault (RequestError), or its compile failed otherwise
                 del self._requests[request_id]
-                req.error, req.error_kind = str(e), "invalid"
+                req.error, req.error_kind = str(e), "invalid" if isinstance(e, RequestError) else "internal"
                 req.group.seqs[0].status = SequenceStatus.FINISHED_ABORTED
                 outputs.append(self.output.failed(req))
                 continue
@@ -361,7 +364,14 @@ class LLMEngine:
                 outputs.append(self.output.output(req))
         return outputs
 
-    def _fail_request(self, req: Request, message: str, step: int, fault: bool = True) -> list[RequestOutput]:
+    def _fail_request(
+        self,
+        req: Request,
+        message: str,
+        step: int,
+        fault: bool = True,
+        kind: Literal["invalid", "internal"] = "internal",
+    ) -> list[RequestOutput]:
         """End one request that failed inside `step` while the others go on: its blocks go back to the pool,
         its stream ends with `message` (never the fault's own text: that is logged, with the request id)."""
         if fault:
@@ -370,8 +380,20 @@ class LLMEngine:
             return []  # already ended
         del self._requests[req.request_id]
         self.scheduler.abort_seq_group(req.request_id)
-        req.error, req.error_kind = message, "internal"
+        req.error, req.error_kind = message, kind
         return [self.output.failed(req)]
+
+    def _grammar_failed(self, req: Request, error: str, step: int) -> list[RequestOutput]:
+        """End a request whose matcher entered llguidance's error state (a limit of its grammar run out, most
+        often its lexer's states): it fails with the reason, never "stop" with a partial output. The lexer was
+        this request's own: the next request with its spec starts on a fresh one."""
+        if self._requests.get(req.request_id) is not req:
+            return []  # already ended (another of its sequences failed first)
+        spec = req.params.structured_outputs
+        what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
+        logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)
+        message = f"the output could not follow its {what}: {error}"
+        return self._fail_request(req, message, step, fault=False, kind="invalid")
 
     def _execute(
         self, index: int, sched: SchedulerOutput, prev: QueuedStep | None, failed: list[RequestOutput]
@@ -472,19 +494,20 @@ class LLMEngine:
         llguidance's threads) while the device runs the forward pass, then uploaded and applied by one op.
 
         A row's draws share a matcher state (a fork's first draw is its parent's), so each row is filled
-        once. A matcher in an error state (past llguidance's per-step limits) fails its request alone."""
+        once. A matcher in an error state, before or after its mask (past one of llguidance's limits: its mask
+        then allows only EOS), fails its request alone (`_grammar_failed`)."""
         rows: dict[int, Any] = {}  # logits row -> its matcher
+        owners: dict[int, Request] = {}
         count = 0
         for (req, draw), row in zip(draws, src, strict=True):
-            if req.grammar is None:
+            if not req.constrained or self._requests.get(req.request_id) is not req:
                 continue
             matcher = req.states[draw.seq.seq_id].matcher
             if matcher is None or matcher.is_error():
-                error = matcher.get_error().split("\n")[0] if matcher is not None else "no matcher"
-                logger.error("request %s: its grammar failed: %s", req.request_id, error)
-                failed += self._fail_request(req, "following its grammar failed", index, fault=False)
+                error = first_line(matcher) if matcher is not None else "no matcher"
+                failed += self._grammar_failed(req, error, index)
                 continue
-            rows[row] = matcher
+            rows[row], owners[row] = matcher, req
             count += 1
         if not rows:
             return count
@@ -493,6 +516,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.grammars.fill_bitmask(list(rows.values()), bitmask)
         self._mask_s += time.perf_counter() - t0
+        for row, matcher in rows.items():
+            if matcher.is_error():
+                failed += self._grammar_failed(owners[row], first_line(matcher), index)
         with torch.inference_mode():  # the logits are the runner's inference tensors, written in place
             ops.apply_token_bitmask(
                 logits,
@@ -568,6 +594,9 @@ class LLMEngine:
                 finished = req.group.is_finished()
                 if finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                     outputs.append(self.output.output(req))
+            except GrammarError as e:  # a token its matcher refused: a limit of its grammar ran out
+                outputs += self._grammar_failed(req, str(e), step.index)
+                continue
             except Exception:
                 outputs += self._fail_request(req, "applying its next token failed", step.index)
                 continue

@@ -10,6 +10,7 @@ import torch
 from tinypaged.core.sequence import Sequence, SequenceStatus
 from tinypaged.engine.request import Extend, Request, SeqState, TokenSample
 from tinypaged.engine.sampler import seq_seed
+from tinypaged.engine.structured import first_line
 from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,7 +76,8 @@ def metrics_of(req: Request, finished: bool) -> RequestMetrics:
 
 
 class GrammarError(RuntimeError):
-    """A token its grammar does not allow (never, once masked): the request fails alone."""
+    """A token its matcher refused: never one the mask forbade (it was masked), but consuming it can run out
+    one of llguidance's limits. The request fails alone, with the reason."""
 
 
 def sync_text(seq: Sequence, state: SeqState) -> None:
@@ -197,7 +199,7 @@ class OutputProcessor:
         matcher = state.matcher
         if matcher is not None:
             if not matcher.consume_token(sample.token):
-                raise GrammarError(matcher.get_error().split("\n")[0])
+                raise GrammarError(first_line(matcher))
             # A complete grammar ends the output ("stop", even at max_tokens). Not a beam: it becomes a
             # hypothesis by its stop token, which is then all the grammar allows.
             if matcher.is_stopped() and not req.params.use_beam_search:

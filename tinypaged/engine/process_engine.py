@@ -5,6 +5,11 @@ sends it down the pipe, and rebuilds each step's outputs into the requests' stre
 core steps without sharing an interpreter lock with the HTTP work: with hundreds of streams, that work took a
 tenth of the steps' time when both ran in one process. `tinypaged serve` runs this by default;
 `--no-engine-process` keeps the engine in the server's process (`AsyncEngine`).
+
+Liveness: a core that exits is dead (every request fails, and every new one). A core that makes no step for the
+stall timeout while it has work, or sends no heartbeat for SILENCE_TIMEOUT_S (stopped, frozen; or the stall
+timeout, if shorter), is stalled (liveness.py): its requests fail and are aborted, new ones are refused, until it
+moves again.
 """
 
 from __future__ import annotations
@@ -23,13 +28,20 @@ from dataclasses import replace
 from typing import Any
 
 from tinypaged import limits
-from tinypaged.config import EngineConfig
+from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
 from tinypaged.engine.core_process import run_core
 from tinypaged.engine.inputs import InputProcessor
+from tinypaged.engine.liveness import (
+    SILENCE_TIMEOUT_S,
+    Watchdog,
+    heartbeat_interval,
+    stall_message,
+)
 from tinypaged.engine.request import Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.engine.streams import Streams
 from tinypaged.engine.wire import (
+    Beat,
     Channel,
     Dead,
     DeltaDecoder,
@@ -50,14 +62,21 @@ __all__ = ["ProcessEngine"]
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 60.0  # seconds the core gets to stop (its tensor-parallel ranks included) before it is killed
+_STALLED_STOP_WAIT_S = 5.0  # the same for a stalled core, which may never read its stop
 
 
 class ProcessEngine:
     """An engine core in a child process, started (and its model loaded) when this is built: `await start()`,
     `async for out in generate(...)`, `await shutdown()`. EngineError, or the core's own error, if it cannot
-    start."""
+    start. `stall_timeout`: seconds without a step while it has work (or without a heartbeat, up to
+    SILENCE_TIMEOUT_S) before the core is declared stalled (0 or None: never)."""
 
-    def __init__(self, config: EngineConfig, start_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        start_timeout: float | None = None,
+        stall_timeout: float | None = STALL_TIMEOUT_S,
+    ) -> None:
         self._config = config
         self._tokenizer = Tokenizer(config.model)
         # Grammars compile in the core (where they run); here a request is checked and tokenized only.
@@ -67,7 +86,13 @@ class ProcessEngine:
         self._results, results_write = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=run_core,
-            args=(config, ops_read, results_write, logging.getLogger().getEffectiveLevel()),
+            args=(
+                config,
+                ops_read,
+                results_write,
+                logging.getLogger().getEffectiveLevel(),
+                heartbeat_interval(stall_timeout),
+            ),
             name="tinypaged-engine-core",
         )
         self._process.start()
@@ -86,6 +111,12 @@ class ProcessEngine:
         # Requests sent but not yet added by the core (it counts those it added): (number, sequences).
         self._sent = 0
         self._unapplied: deque[tuple[int, int]] = deque()
+        # Liveness, as the reader thread last saw it: when it last heard from the core, and how long the core's
+        # main loop had been in its current step at its last heartbeat (`busy_s`; 0 after a step's outputs),
+        # with when that heartbeat came.
+        self._heard_at = time.monotonic()
+        self._busy: tuple[float, float] = (0.0, self._heard_at)
+        self._watchdog = Watchdog(stall_timeout, self._why_stalled, self._on_stall)
         # What exists now (torch, the tokenizer, the server's modules) lives as long as the server: out of the
         # cyclic collector's view, as the engine does in its process, so that the collections a burst of outputs
         # triggers traverse only the outputs.
@@ -136,6 +167,17 @@ class ProcessEngine:
         """True between start() and shutdown() while the core serves."""
         return self._channel is not None and not self._stopped and self._dead is None
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the engine cannot serve now (not started, shut down, dead, stalled); None while it serves."""
+        if self._dead is not None:
+            return self._dead
+        if self._stopped:
+            return "the engine has been shut down"
+        if self._channel is None:
+            return "the engine has not started"
+        return self._watchdog.stalled
+
     def stats(self) -> EngineStats:
         """The load as of the core's last message; requests sent but not yet added count as waiting."""
         stats = self._stats
@@ -163,7 +205,8 @@ class ProcessEngine:
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar (structured outputs) in the core's grammar pool, once per distinct
-        grammar; RequestError naming the parameter if it is invalid, unsupported or too slow to compile."""
+        grammar; RequestError naming the parameter if it is invalid, unsupported or too slow to compile,
+        EngineError if its compile failed otherwise."""
         spec = params.structured_outputs
         if spec is None:
             return
@@ -176,8 +219,8 @@ class ProcessEngine:
             ) from e
         if reply.refused:
             raise RequestError(reply.error or "", reply.param, reply.code)
-        if reply.error is not None:
-            raise RequestError(reply.error, f"structured_outputs.{spec.kind}")
+        if reply.error is not None:  # not the spec's fault: this request fails alone, as a 500
+            raise EngineError(f"compiling the {spec.kind} failed: {reply.error}")
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -193,12 +236,21 @@ class ProcessEngine:
         loop = asyncio.get_running_loop()
 
         def on_message(data: bytes) -> None:
-            # In the reader thread: decode and rebuild the outputs here, deliver them on the loop.
+            # In the reader thread: decode and rebuild the outputs here, deliver them on the loop. A heartbeat
+            # stays here: the watchdog reads what it says.
+            self._heard_at = now = time.monotonic()
             msg = decode(data)
+            if isinstance(msg, Beat):
+                self._busy = (msg.busy_s, now)
+                return
             outputs: list[RequestOutput] = []
             if isinstance(msg, Outputs):
+                if msg.step is not None:
+                    self._busy = (0.0, now)  # a step ended: the next heartbeat times the next one
                 rebuild = self._outputs.decode
                 outputs = [out for d in msg.outputs if (out := rebuild(d)) is not None]
+                # (Rebuilding a million logprobs takes seconds here, while the next heartbeats wait in the pipe.)
+                self._heard_at = time.monotonic()
             elif isinstance(msg, Failed):
                 for rid in msg.request_ids:
                     self._outputs.drop(rid)
@@ -210,7 +262,9 @@ class ProcessEngine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._core_gone)
 
+        self._heard_at = time.monotonic()  # (its heartbeats waited in the pipe until now)
         self._channel = Channel(self._results, self._ops, on_message, on_close, "tinypaged-client")
+        self._watchdog.start()
 
     async def shutdown(self) -> None:
         """Stop the core (after the step in flight) and wait for it to exit; unfinished requests fail with
@@ -220,14 +274,16 @@ class ProcessEngine:
         self._start()  # (a core never started still gets its stop through the pipe's writer)
         assert self._channel is not None
         self._stopped = True
+        self._watchdog.stop()
         self._streams.fail(self._streams.ids(), EngineError("the engine was shut down"))
         self._channel.send(pickle.dumps(("stop",)))
         self._channel.close()
-        await asyncio.get_running_loop().run_in_executor(None, self._join)
+        wait = _STOP_WAIT_S if self._watchdog.stalled is None else _STALLED_STOP_WAIT_S
+        await asyncio.get_running_loop().run_in_executor(None, self._join, wait)
 
-    def _join(self) -> None:
-        if self._reap(_STOP_WAIT_S) is None:
-            logger.error("the engine process did not stop within %.0f s: killed", _STOP_WAIT_S)
+    def _join(self, wait: float) -> None:
+        if self._reap(wait) is None:
+            logger.error("the engine process did not stop within %.0f s: killed", wait)
             self._process.kill()
             self._reap(None)
 
@@ -268,11 +324,13 @@ class ProcessEngine:
             self._send(("abort", request_id))
 
     def _check_serving(self) -> None:
-        """EngineDeadError if the core died, EngineError if it was shut down."""
+        """EngineDeadError if the core died or is stalled, EngineError if it was shut down."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._stopped:
             raise EngineError("the engine has been shut down")
+        if self._watchdog.stalled is not None:
+            raise EngineDeadError(self._watchdog.stalled)
 
     def _send(self, op: tuple[Any, ...]) -> None:
         if self._channel is not None and not self._stopped and self._dead is None:
@@ -324,8 +382,37 @@ class ProcessEngine:
         if self._dead is not None:
             return
         self._dead = why
+        self._watchdog.stop()
         logger.error("engine core stopped: %s", why)
+        self._fail_all(why)
+
+    def _fail_all(self, why: str) -> None:
+        """Fail every open stream and pending query with EngineDeadError(why)."""
         self._streams.fail(self._streams.ids(), EngineDeadError(why))
         for answer in self._queries.values():
             if not answer.done():
                 answer.set_exception(EngineDeadError(why))
+
+    # ---- liveness (the watchdog's probe and verdict, on the event loop) ----------------------------------
+
+    def _why_stalled(self, timeout: float) -> str | None:
+        """Why the core is stalled, if it is: no message (a heartbeat comes every few tenths of a second) for
+        SILENCE_TIMEOUT_S (or `timeout`, if shorter), or a heartbeat saying its main loop has been in one step
+        for `timeout`."""
+        now = time.monotonic()
+        silent, limit = now - self._heard_at, min(timeout, SILENCE_TIMEOUT_S)
+        if silent > limit:
+            cause = "and sent no heartbeat: stopped, or frozen"
+            return stall_message("the engine core", silent, cause, limit)
+        busy_s, at = self._busy
+        busy = busy_s + now - at if busy_s else 0.0
+        if busy > timeout:
+            return stall_message("the engine core", busy, "with work: stuck in a step", timeout)
+        return None
+
+    def _on_stall(self, why: str) -> None:
+        """The core is stalled: its requests fail now and are aborted (their blocks return once it moves)."""
+        ids = self._streams.ids()
+        self._fail_all(why)
+        for rid in ids:
+            self._send(("abort", rid))

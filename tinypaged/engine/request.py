@@ -25,7 +25,6 @@ from tinypaged.tokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from tinypaged.engine.structured import Grammar
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} with an optional "prompt" text
 
@@ -38,8 +37,9 @@ class EngineRequest:
     prompt: str | None  # the prompt's text, when there is one
     prompt_token_ids: list[int]
     params: SamplingParams
-    # With params.structured_outputs: its grammar, compiling (or compiled) in the engine's grammar pool.
-    grammar: Future[Grammar] | None = None
+    # With params.structured_outputs: its own matcher at its grammar's start, built in the engine's grammar pool
+    # once the grammar compiled (`GrammarCompiler.start`).
+    grammar: Future[LLMatcher] | None = None
     # The client request this is one prompt of (`SequenceGroup.client_request_id`): admission takes turns
     # between client requests. None: a client request of its own.
     client_request_id: str | None = None
@@ -158,7 +158,7 @@ class Request:
     states: dict[int, SeqState] = field(default_factory=dict)  # by seq_id
     # With params.prompt_logprobs: None for the first prompt token, then one entry per prompt token scored.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    grammar: Grammar | None = None  # structured outputs: each sequence's matcher starts from it
+    constrained: bool = False  # structured outputs: each sequence follows a matcher (SeqState.matcher)
     error: str | None = None  # why it ended early (RequestOutput.error)
     error_kind: Literal["ignored", "invalid", "internal"] | None = None
 

@@ -122,7 +122,15 @@ class Dead(msgspec.Struct, tag=True):
     exception: bytes = b""
 
 
-Message = Ready | Outputs | Failed | Reply | Dead
+class Beat(msgspec.Struct, tag=True):
+    """The core's heartbeat, sent by a thread of its own every few tenths of a second whatever its main loop
+    does: how long the main loop has been in its current step (0 while it waits for work). The server tells a
+    stalled step (`busy_s` growing) from a frozen process (no beat at all)."""
+
+    busy_s: float
+
+
+Message = Ready | Outputs | Failed | Reply | Dead | Beat
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder(Message).decode
 

@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tinypaged import __version__
 from tinypaged.engine.client import EngineClient
 from tinypaged.errors import EngineError
 from tinypaged.server import protocol as p
+from tinypaged.server.body import codings, decode_json, inflate, prefix
 from tinypaged.server.chat import create_chat_completion
 from tinypaged.server.completions import create_completion
 from tinypaged.server.kv_view import kv_cache_view
@@ -39,6 +41,7 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"}) |
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 _encoder = msgspec.json.Encoder()
+_LARGE_BODY = 256 * 1024  # bytes: a body this large is inflated and decoded in a thread
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]*)`")
 
@@ -91,7 +94,8 @@ def error_response(e: APIError) -> web.Response:
 
 
 async def _decode(request: web.Request, cls: type[T]) -> T:
-    """The body as a `cls` Struct; 413 over the size limit, 400 for bad JSON or a bad field (in `param`)."""
+    """The body as a `cls` Struct; 413 over the size limit (on the wire or inflated), 415 for a content coding
+    this server does not decode, 400 for bad JSON, JSON nested too deeply or a bad field (in `param`)."""
     limit = request.app[CONFIG].max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise APIError(
@@ -99,35 +103,29 @@ async def _decode(request: web.Request, cls: type[T]) -> T:
             f"The request body has {request.content_length} bytes, more than the limit of {limit}.",
             code="request_too_large",
         )
+    names = codings(request.headers.get("Content-Encoding", ""))
     timeout = request.app[CONFIG].idle_timeout
     try:
         async with asyncio.timeout(timeout):  # a body trickled in (or never sent) holds nothing for long
-            body = await request.read()
+            body = await request.read()  # as sent: aiohttp inflates nothing (start_server)
     except TimeoutError as e:
         raise APIError(
             408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout"
         ) from e
     except web.HTTPException:
         raise  # 413 from aiohttp's own size check (chunked bodies)
-    except web.RequestPayloadError as e:  # e.g. a Content-Encoding whose data does not decode
-        # Nothing more is read: without this aiohttp would drain the body after the answer, meet the error again
-        # and log its traceback (a client could fill the log); the connection closes after the 400.
-        request.content.feed_eof()
-        encoding = request.headers.get("Content-Encoding", "identity")
-        raise APIError(
-            400,
-            f"The body could not be read (Content-Encoding: {encoding}).",
-            code="invalid_body",
-            headers={"Connection": "close"},
-        ) from e
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except msgspec.ValidationError as e:
-        raise APIError(400, str(e), param=_error_param(str(e)), code="invalid_value") from e
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"The body is not valid JSON: {e}", code="invalid_json") from e
-    except RecursionError as e:  # msgspec's decoder stops at a nesting depth Python's stack allows
-        raise APIError(400, "The body's JSON is nested too deeply.", code="invalid_json") from e
+    except web.RequestPayloadError as e:  # e.g. a chunked body that does not parse
+        # Nothing more is read: the connection closes after the 400 (error_middleware).
+        raise APIError(400, "The body could not be read.", code="invalid_body") from e
+
+    def parse() -> T:
+        return decode_json(inflate(body, names, limit), cls, _error_param)
+
+    # Inflating (zlib and brotli release the GIL) and scanning a large body run in a thread: the event loop
+    # keeps serving meanwhile.
+    if names or len(body) > _LARGE_BODY:
+        return await asyncio.to_thread(parse)
+    return parse()
 
 
 def unexpected_error(request: web.Request) -> APIError:
@@ -144,7 +142,16 @@ def unexpected_error(request: web.Request) -> APIError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure as OpenAI's error JSON; unexpected ones logged and answered 500."""
+    """Every failure as OpenAI's error JSON; unexpected ones logged and answered 500. A request whose body was
+    not read to its end (refused before it: a wrong key, an unknown route, a body past the limit) has its
+    connection closed after the answer, the rest of the body neither read nor inflated."""
+    response = await _answer(request, handler)
+    if request.body_exists and not request.content.is_eof():
+        response.force_close()
+    return response
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
@@ -153,8 +160,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if e.status < 400:
             raise
         messages = {
-            404: f"No route {request.method} {request.path}",
-            405: f"Method {request.method} is not allowed on {request.path}",
+            404: f"No route {request.method} {prefix(request.path)}",
+            405: f"Method {request.method} is not allowed on {prefix(request.path)}",
             413: f"The request body is larger than the limit: {e.text}",
         }
         return error_response(APIError(e.status, messages.get(e.status, e.text or e.reason)))
@@ -164,15 +171,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(unexpected_error(request))
 
 
+def _authorized(header: str, key: str) -> bool:
+    """Whether an `Authorization` header carries `key` as a Bearer token (RFC 7235: the scheme is
+    case-insensitive). Any header is compared, never decoded: aiohttp hands bytes that are not UTF-8 over as
+    surrogates, which go back to the same bytes here."""
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), key.encode())
+
+
 @web.middleware
 async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """401 without the right Bearer key (when one is set); 503 for new generations while draining."""
+    """401 without the right Bearer key (when one is set), before the body is read; 503 for new generations
+    while draining."""
     key = request.app[CONFIG].api_key
     if key is not None and request.path not in PUBLIC_PATHS:
-        # RFC 7235: the scheme is case-insensitive.
-        scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-        given = given.strip() if scheme.lower() == "bearer" else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not _authorized(request.headers.get("Authorization", ""), key):
             raise APIError(
                 401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
             )
@@ -248,9 +263,11 @@ async def models(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.StreamResponse:
-    """GET /health: 200 while the engine loop runs and the server is not draining."""
-    if request.app[DRAINING].is_set() or not request.app[ENGINE].is_running:
-        return json_response({"status": "unavailable"}, 503)
+    """GET /health: 200 while the engine serves and the server is not draining; 503 naming why not (the
+    engine dead, or stalled: no step for the stall timeout)."""
+    why = "the server is shutting down" if request.app[DRAINING].is_set() else request.app[ENGINE].unavailable
+    if why is not None:
+        return json_response({"status": "unavailable", "message": why}, 503)
     return json_response({"status": "ok"})
 
 
@@ -262,7 +279,7 @@ async def version(request: web.Request) -> web.StreamResponse:
 async def metrics(request: web.Request) -> web.StreamResponse:
     """GET /metrics in the Prometheus text format."""
     engine = request.app[ENGINE]
-    text = request.app[SERVING].metrics.render(engine.stats(), engine.core_pid)
+    text = request.app[SERVING].metrics.render(engine.stats(), engine.core_pid, engine.unavailable)
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -316,20 +333,62 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     return app
 
 
+class _Connection(web.RequestHandler):
+    """aiohttp's handler of one connection, but for a request its HTTP parser refuses (a malformed request line,
+    header or chunked body): aiohttp answers those before any middleware sees them, quoting the offending bytes
+    (up to a whole ~128 KB chunk of an unauthenticated body) in a plain-text 400 and in an error-level log
+    record with a traceback. Here the answer is OpenAI's error JSON and the log one info line, each quoting at
+    most a short prefix. aiohttp has no supported hook for this (aio-libs/aiohttp#3287); `handle_error` is
+    the method its connections call for it, and every other error keeps aiohttp's handling."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """OpenAI's error JSON for a request the HTTP parser refused; aiohttp's answer for anything else."""
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        reason = prefix(" ".join(exc.message.split()))  # one line
+        logger.info("malformed HTTP request from %s refused (%d): %s", request.remote, status, reason)
+        info = p.ErrorInfo(message=f"Malformed HTTP request: {reason}", type="invalid_request_error")
+        response = json_response(p.ErrorResponse(error=info), status)
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, whose connections are `_Connection`s."""
+
+    def __call__(self) -> web.RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
 async def start_server(engine: EngineClient, config: ServerConfig) -> tuple[web.AppRunner, str]:
     """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free)."""
     app = build_app(engine, config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # keepalive_timeout: aiohttp starts it when a connection opens and again after each response, so it closes
     # a connection that never completes a request's headers as well as an idle one.
+    # auto_decompress off: aiohttp would inflate a compressed body as it arrives, before any handler decides to
+    # read it, and drain (inflating) what is left after the answer, with no limit on the inflated size; here a
+    # body is inflated only once its request is authenticated and only up to the body limit (_decode).
+    # lingering_time 0: a body not read to its end (a refused request's) is not drained after the answer
+    # either; the connection is closed.
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.shutdown_timeout,
         keepalive_timeout=config.idle_timeout,
         access_log=logging.getLogger("aiohttp.access"),
+        auto_decompress=False,
+        lingering_time=0,
     )
     await runner.setup()
+    assert type(runner.server) is web.Server  # the class swapped below: the same object, its connections ours
+    runner.server.__class__ = _Server
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     host, port = runner.addresses[0][:2]

@@ -2,6 +2,12 @@
 
 Gauges and token counters are read from the engine at scrape time; latency histograms and the finished-request
 counter are observed here as requests stream through the server.
+
+While the engine cannot serve (its core dead or stalled, or shut down), `tinypaged:engine_healthy` is 0 and a
+comment line says why; the gauges only the engine knows (its queues, its KV cache, its core's memory) are left
+out, since their last values are no longer true, and Prometheus marks their series stale. The counters keep the
+last values the engine reported (true counts up to then; a counter never goes back); the server's own metrics
+(latencies, finished requests, its memory) go on.
 """
 
 from __future__ import annotations
@@ -145,11 +151,22 @@ class ServerMetrics:
         """Count a request that ran to its end (stop or length), or one that was aborted."""
         self.finished[finish_reason or "abort"] += 1
 
-    def render(self, stats: EngineStats, core_pid: int | None = None) -> str:
+    def render(self, stats: EngineStats, core_pid: int | None = None, unavailable: str | None = None) -> str:
         """The whole exposition; `stats` is the engine's `stats()`, `core_pid` its engine-core process (if it
-        runs in one: its resident memory is reported beside this process's)."""
-        lines: list[str] = []
+        runs in one: its resident memory is reported beside this process's), `unavailable` why the engine
+        cannot serve (None while it serves: its gauges are reported only then)."""
+        full = f"{self.prefix}engine_healthy"
+        lines = [
+            f"# HELP {full} 1 while the engine serves; 0 while it cannot (dead, stalled, shut down): then the "
+            "gauges of its load and memory are left out.",
+            f"# TYPE {full} gauge",
+            f"{full}{{{self.labels}}} {0 if unavailable else 1}",
+        ]
+        if unavailable:
+            lines.append(f"# tinypaged: the engine is unavailable ({' '.join(unavailable.split())})")
         for name, kind, help_text, field in ENGINE_METRICS:
+            if unavailable and kind == "gauge":
+                continue
             # The classic text format names a counter with its `_total` suffix on the TYPE line too.
             full = self.prefix + name + ("_total" if kind == "counter" else "")
             lines += [
@@ -172,7 +189,7 @@ class ServerMetrics:
                 "# TYPE process_resident_memory_bytes gauge",
                 f"process_resident_memory_bytes {rss}",
             ]
-        core_rss = resident_memory_bytes(core_pid) if core_pid is not None else None
+        core_rss = resident_memory_bytes(core_pid) if core_pid is not None and not unavailable else None
         if core_rss is not None:
             full = f"{self.prefix}engine_core_resident_memory_bytes"
             lines += [

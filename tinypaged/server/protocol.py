@@ -526,7 +526,9 @@ def openapi_schema(version: str) -> dict:
         op: dict = {"summary": summary, "responses": {"200": ok}}
         if req is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[req]}}}
-            op["responses"].update({code: error for code in ("400", "401", "404", "413", "503")})
+            op["responses"].update(
+                {code: error for code in ("400", "401", "404", "408", "413", "415", "503")}
+            )
         paths.setdefault(path, {})[method] = op
     return {
         "openapi": "3.1.0",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tinypaged.server import protocol as p
+from tinypaged.server.body import loads
+from tinypaged.server.errors import APIError
 from tinypaged.server.metrics import ServerMetrics
 
 _LONG_TEXT = 8192  # tokenize texts longer than this (characters) in a thread, off the event loop
@@ -42,24 +43,6 @@ def model_path(config: EngineConfig) -> Path:
 def vocab_size(config: EngineConfig) -> int:
     """The number of token ids the model knows."""
     return config.model_config.vocab_size
-
-
-class APIError(Exception):
-    """An error response: HTTP status and OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
-        self.info = p.ErrorInfo(message=message, type=type, param=param, code=code)
 
 
 def internal_error(request_id: str, reason: str) -> APIError:
@@ -202,7 +185,15 @@ class OpenAIServing:
                 spec = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
                 return spec, "response_format.json_schema.schema"
             if so is not None:
-                return StructuredOutputsParams(**msgspec.structs.asdict(so)), "structured_outputs"
+                fields = msgspec.structs.asdict(so)
+                if isinstance(so.json, str):  # a schema as text: parsed here, its nesting bounded first
+                    try:
+                        fields["json"] = loads(so.json, "structured_outputs.json")
+                    except ValueError as e:
+                        raise RequestError(
+                            f"a JSON schema must be valid JSON: {e}", "structured_outputs.json"
+                        ) from e
+                return StructuredOutputsParams(**fields), "structured_outputs"
         except RequestError as e:
             param = e.param if so is not None else "response_format.json_schema.schema"
             raise APIError(400, str(e), param=param) from e
@@ -217,6 +208,8 @@ class OpenAIServing:
         except RequestError as e:
             keep = param == "structured_outputs" and e.param is not None
             raise APIError(400, str(e), param=e.param if keep else param) from e
+        except EngineDeadError as e:  # dead or stalled: the same 503 as any other request gets
+            raise engine_unavailable(e) from e
 
     def sampling_params(
         self,
@@ -306,6 +299,9 @@ class OpenAIServing:
         except EngineError as e:
             outcome = "error"
             raise internal_error(request_id, str(e)) from e
+        except RequestError as e:  # refused where it was queued (the engine core's own checks)
+            outcome = "error"
+            raise request_error(e) from e
         except Exception:
             outcome = "error"
             raise
@@ -375,6 +371,12 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+        except RecursionError as e:  # a template's own recursion (a macro per nesting level) on deep values
+            raise APIError(
+                400,
+                "The chat template could not render the messages and tools: they nest too deeply for it.",
+                param="tools" if tools else "messages",
+            ) from e
 
     # ---- /tokenize, /detokenize, /v1/models -----------------------------------------------------------
 
@@ -447,11 +449,11 @@ def _template_message(m: p.ChatMessage, where: str) -> dict[str, Any]:
         value = getattr(m, key, None)
         if value is not None:
             out[key] = msgspec.to_builtins(value)
-    for call in out.get("tool_calls", []):
+    for k, call in enumerate(out.get("tool_calls", [])):
         # Templates (Llama 3.1's, Qwen's, ...) write a call's arguments with `tojson`: a mapping, as HF and vLLM
         # hand them; arguments that are not a JSON object stay the string they were.
         try:
-            args = json.loads(call["function"]["arguments"])
+            args = loads(call["function"]["arguments"], f"{where}.tool_calls[{k}].function.arguments")
         except ValueError:
             continue
         if isinstance(args, dict):

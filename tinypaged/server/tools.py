@@ -20,8 +20,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams
 from tinypaged.server import protocol as p
+from tinypaged.server.errors import APIError
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _decoder = json.JSONDecoder()
@@ -37,13 +39,15 @@ class Call:
 
 
 def check_tools(tools: list[p.Tool] | None, choice: p.ToolChoice | None) -> str:
-    """The tool mode: "none", "auto", "required" or "named" (400s for choices that name what is not there)."""
-    from tinypaged.server.serving import APIError  # serving imports this module
-
+    """The tool mode: "none", "auto", "required" or "named" (400s for choices that name what is not there,
+    and for a function whose parameter schema is past the limits a `response_format` schema is held to)."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return "none"
+    for i, t in enumerate(tools):
+        if t.function.parameters is not None:
+            _check_schema(t.function.parameters, f"tools[{i}].function.parameters")
     if choice is None:
         return "auto"
     if isinstance(choice, str):
@@ -57,11 +61,22 @@ def check_tools(tools: list[p.Tool] | None, choice: p.ToolChoice | None) -> str:
     return "named"
 
 
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    """A tool's parameter schema under StructuredOutputsParams' own checks (its size), whatever the tool mode;
+    its nesting was bounded with the body (limits.MAX_JSON_DEPTH), and the engine's compile checks it as it
+    checks a `response_format` schema when the mode makes it a constraint."""
+    try:
+        StructuredOutputsParams(json=schema)
+    except RequestError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from e
+
+
 def tool_grammar(
     tools: list[p.Tool], mode: str, choice: p.ToolChoice | None, parallel: bool
 ) -> tuple[StructuredOutputsParams, str] | None:
     """The constraint a tool mode puts on the output, with the request parameter it comes from (None for
-    "auto" and "none": the model writes freely)."""
+    "auto" and "none": the model writes freely); 400 naming `tools` for a "required" constraint past the
+    limits together."""
     if mode == "named":
         assert isinstance(choice, p.NamedToolChoice)
         i, fn = next((i, t.function) for i, t in enumerate(tools) if t.function.name == choice.function.name)
@@ -80,7 +95,10 @@ def tool_grammar(
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema), "tools"
+    try:
+        return StructuredOutputsParams(json=schema), "tools"
+    except RequestError as e:
+        raise APIError(400, f'tool_choice "required" over all the tools: {e}', param="tools") from e
 
 
 def _parameters(fn: p.FunctionDefinition) -> dict[str, Any]:
@@ -178,27 +196,30 @@ class CallParser:
                 i += 1
             if i >= len(text) or text[i] != "{":
                 break
-            try:
+            try:  # the model's text: JSON nested past Python's stack ends the calls
                 obj, end = _decoder.raw_decode(text, i)
-            except ValueError:
+                arguments = (
+                    json.dumps(obj.get("parameters", {}), ensure_ascii=False) if isinstance(obj, dict) else ""
+                )
+            except (ValueError, RecursionError):
                 break
             self.pos = end
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                calls.append(Call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)))
+                calls.append(Call(obj["name"], arguments))
         self.calls += calls
         return calls
 
 
 def _call_of(text: str) -> Call | None:
     """A call from `{"name": ..., "arguments" | "parameters": {...}}`, or None."""
-    try:
+    try:  # the model's text: JSON nested past Python's stack is no call either
         obj = json.loads(text.strip())
-    except ValueError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def _split_json(text: str) -> list[str]:
@@ -211,7 +232,7 @@ def _split_json(text: str) -> list[str]:
             return parts
         try:
             _, end = _decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return parts + [text[i:]]  # not JSON: the caller reads it as content
         parts.append(text[i:end])
         i = end
