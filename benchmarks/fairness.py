@@ -15,6 +15,10 @@ Cases: `big`, one completion with `--prompts` prompts of 10-30 tokens each, `ech
 `--max-tokens` (the probe of issue #45: 91 s for the stream); `long`, one prompt of `--long-tokens` tokens with
 `prompt_logprobs` (the probe's 11 s). Rounds alternate the checkouts, so that a machine shared with other work
 slows each about as much; the spread is the min and max over rounds.
+
+`--steps` replays the case on the scheduler alone (this checkout's, or PYTHONPATH's; no model, no server) and
+prints the step in which the stream, arriving at step 1, gets its first token: deterministic, so it shows the
+policy's effect where a loaded machine's timings cannot.
 """
 
 from __future__ import annotations
