@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +101,14 @@ class LLM:
         self._next_id += len(prompts)
         pending = iter(enumerate(zip(prompts, params, strict=True)))
         try:
-            self._queue(request_ids, self._first_step(pending, first))
+            arrival = (
+                time.monotonic()
+            )  # the whole batch's: the scheduler sees one arrival, as if queued whole
+            self._queue(request_ids, self._first_step(pending, first), arrival)
             if len(request_ids) < len(prompts):
                 yield self.engine.step()
                 rest = [self.engine.process_inputs(str(first + i), p, sp) for i, (p, sp) in pending]
-                self._queue(request_ids, rest)
+                self._queue(request_ids, rest, arrival)
             while self.engine.has_unfinished_requests():
                 yield self.engine.step()
         except BaseException:  # a bad request, a failed step, or the caller leaving: none of the batch stays
@@ -127,13 +132,13 @@ class LLM:
                 break
         return checked
 
-    def _queue(self, request_ids: list[str], checked: list[EngineRequest]) -> None:
+    def _queue(self, request_ids: list[str], checked: list[EngineRequest], arrival: float) -> None:
         """Queue checked requests once each grammar has compiled (they compile in parallel; a bad one is refused
         before any of `checked` is queued)."""
         for request in checked:
             wait_grammar(request)
         for request in checked:
-            self.engine.add(request)
+            self.engine.add(replace(request, arrival_time=arrival))
             request_ids.append(request.request_id)
 
 

@@ -7,6 +7,7 @@ wrong copy-on-write, swap mapping or prefix-cache hit shows up as a sequence rea
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -213,19 +214,10 @@ TestCollidingManager = CollidingManagerMachine.TestCase
 TestCollidingManager.settings = SMALL
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    num_gpu=st.integers(3, 16),
-    num_cpu=st.integers(0, 8),
-    budget=st.integers(1, 24),
-    max_num_seqs=st.integers(1, 5),
-    mode=st.sampled_from(["recompute", "swap", None]),
-    chunked=st.booleans(),
-    caching=st.booleans(),
-    watermark=st.sampled_from([0.0, 0.1, 0.3]),
-)
-def test_scheduler_simulation(
+KEYS = ("own", "shared", "unique", "clients")
+
+
+def simulate(
     seed: int,
     num_gpu: int,
     num_cpu: int,
@@ -235,8 +227,12 @@ def test_scheduler_simulation(
     chunked: bool,
     caching: bool,
     watermark: float,
-) -> None:
-    """Random arrivals, forks, finishes and aborts on a tiny cache: invariants hold and everything ends."""
+    keys: str,
+) -> list[tuple[tuple[int, int, int], ...]]:
+    """Random arrivals (1-3 prompts at a time), forks, finishes and aborts on a tiny cache, checking the
+    invariants after every step. `keys` names each group's client request: `own` none (each its own), `shared`
+    one for all, `unique` a distinct one each, `clients` one per arrival (its prompts together). Returns what
+    each step scheduled: (seq id, computed, new tokens) per sequence."""
     rng = random.Random(seed)
     max_model_len = 16
     if not chunked:
@@ -249,18 +245,28 @@ def test_scheduler_simulation(
     limits: dict[int, int] = {}  # seq id -> max output tokens
     forks: dict[str, int] = {}  # request id -> children still to fork after the first sample
     num_requests = rng.randint(1, 10)
-    added = 0
+    added, arrivals, trace = 0, 0, []
     for step in range(400):
         if added < num_requests and rng.random() < 0.7:
-            length = rng.randint(1, 20) if rng.random() < 0.1 else rng.randint(1, 8)
-            prompt = [rng.randint(0, 2) for _ in range(length)]
-            seq = Sequence(next(ids), prompt)
-            limits[seq.seq_id] = rng.randint(1, 8)
-            rid = f"r{added}"
-            forks[rid] = rng.choice([0, 0, 1, 2])
-            sched.add_seq_group(SequenceGroup(rid, [seq], float(step)))
-            added += 1
+            prompts = min(rng.choice([1, 1, 1, 2, 3]), num_requests - added)
+            for _ in range(prompts):
+                length = rng.randint(1, 20) if rng.random() < 0.1 else rng.randint(1, 8)
+                prompt = [rng.randint(0, 2) for _ in range(length)]
+                seq = Sequence(next(ids), prompt)
+                limits[seq.seq_id] = rng.randint(1, 8)
+                rid = f"r{added}"
+                forks[rid] = rng.choice([0, 0, 1, 2])
+                client = {
+                    "own": None,
+                    "shared": "all",
+                    "unique": f"c{added}",
+                    "clients": f"a{arrivals}" if prompts > 1 else None,
+                }[keys]
+                sched.add_seq_group(SequenceGroup(rid, [seq], float(step), client_request_id=client))
+                added += 1
+            arrivals += 1
         out = run_step(sched, shadow, next_token=rng.randint(0, 2))
+        trace.append(tuple((s.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled))
         for _rid, reason in out.ignored:
             assert reason
         for s in out.scheduled:
@@ -290,3 +296,108 @@ def test_scheduler_simulation(
     assert not sched.has_unfinished(), "requests stalled"
     kv.check_integrity()
     assert kv.num_free_gpu_blocks == kv.num_gpu_blocks and kv.num_free_cpu_blocks == kv.num_cpu_blocks
+    return trace
+
+
+CONFIGS = {
+    "seed": st.integers(0, 2**32 - 1),
+    "num_gpu": st.integers(3, 16),
+    "num_cpu": st.integers(0, 8),
+    "budget": st.integers(1, 24),
+    "max_num_seqs": st.integers(1, 5),
+    "mode": st.sampled_from(["recompute", "swap", None]),
+    "chunked": st.booleans(),
+    "caching": st.booleans(),
+    "watermark": st.sampled_from([0.0, 0.1, 0.3]),
+}
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(keys=st.sampled_from(KEYS), **CONFIGS)
+def test_scheduler_simulation(keys: str, **config: Any) -> None:
+    """Random arrivals, forks, finishes and aborts on a tiny cache: invariants hold and everything ends, whoever
+    shares a client request."""
+    simulate(keys=keys, **config)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**CONFIGS)
+def test_single_client_schedules_are_fcfs(**config: Any) -> None:
+    """With every request a client request of its own (the offline LLM's batches) or all of one, every step
+    schedules the same: taking turns between client requests changes nothing (FCFS, preemptions included)."""
+    assert simulate(keys="shared", **config) == simulate(keys="own", **config)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_prompts=st.integers(20, 80),
+    budget=st.integers(8, 24),
+    max_num_seqs=st.integers(1, 4),
+    max_output=st.integers(1, 4),
+    arrives=st.integers(0, 6),
+    chunked=st.booleans(),
+)
+def test_single_prompt_request_waits_bounded_steps(
+    seed: int, num_prompts: int, budget: int, max_num_seqs: int, max_output: int, arrives: int, chunked: bool
+) -> None:
+    """A single-prompt request that arrives while a client request of many prompts runs is scheduled within a
+    few steps whatever the number of those prompts: the running sequences' prefill and decode, not the waiting
+    ones (FCFS would make it wait for all of them to be admitted)."""
+    rng = random.Random(seed)
+    max_prompt = 8
+    kv = KVCacheManager(BS, 512, 0, watermark=0.0, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, 64, None, chunked), kv)
+    shadow = ShadowCache(BS)
+    limits = {}
+    for i in range(num_prompts):
+        seq = Sequence(i, [rng.randint(0, 2) for _ in range(rng.randint(1, max_prompt))])
+        limits[i] = rng.randint(1, max_output)
+        sched.add_seq_group(SequenceGroup(f"big-{i}", [seq], 0.0, client_request_id="big"))
+    # The running sequences' prefill left (each at most max_prompt tokens), then their decodes, then its turn.
+    bound = -(-max_num_seqs * max_prompt // budget) + max_output + 1
+    single = Sequence(num_prompts, [1, 2, 3])
+    for step in range(arrives + bound + 1):
+        if step == arrives:
+            sched.add_seq_group(SequenceGroup("single", [single], float(step)))
+        out = run_step(sched, shadow)
+        if any(s.request_id == "single" for s in out.scheduled):
+            assert step - arrives <= bound
+            return
+        for s in out.scheduled:
+            seq = sched.get_seq(s.seq_id)
+            if s.do_sample and seq is not None and len(seq.output_token_ids) >= limits[s.seq_id]:
+                sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+    raise AssertionError(f"the single-prompt request waited more than {bound} steps")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    prompt_len=st.integers(40, 120),
+    budget=st.integers(2, 16),
+    arrives=st.integers(0, 3),
+    newcomer_len=st.integers(1, 30),
+    client=st.sampled_from([None, "big"]),
+)
+def test_newcomer_waits_one_step_behind_a_long_prefill(
+    prompt_len: int, budget: int, arrives: int, newcomer_len: int, client: str | None
+) -> None:
+    """A request that arrives while a long prompt is being prefilled is scheduled in the next step: the
+    prompt's chunks leave it part of the budget (FCFS would hold it for the rest of that prefill)."""
+    kv = KVCacheManager(BS, 256, 0, watermark=0.0, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(2, budget, 256), kv)
+    shadow = ShadowCache(BS)
+    sched.add_seq_group(SequenceGroup("long", [Sequence(0, [1, 2] * (prompt_len // 2))], 0.0))
+    for _ in range(arrives + 1):
+        run_step(sched, shadow)
+    sched.add_seq_group(
+        SequenceGroup("new", [Sequence(1, [1] * newcomer_len)], 1.0, client_request_id=client)
+    )
+    long = sched.get_seq(0)
+    assert long is not None
+    remaining = long.num_tokens - long.num_computed_tokens
+    out = run_step(sched, shadow)
+    assert any(s.request_id == "new" for s in out.scheduled), "the newcomer waited behind the prefill"
+    # The prefill still advances by at least half a budget.
+    advanced = sum(s.num_new_tokens for s in out.scheduled if s.request_id == "long")
+    assert advanced >= min(remaining, budget - budget // 2)

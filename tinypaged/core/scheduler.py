@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import heapq
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tinypaged.core.kv_cache_manager import CacheSnapshot, KVCacheManager, PrefixHit, cdiv
@@ -38,8 +41,63 @@ def _by_arrival(group: SequenceGroup) -> float:
     return group.arrival_time
 
 
+class _Turns:
+    """Which waiting group one step offers admission next: the client requests waiting take turns, the one with
+    the fewest groups running first, then the one whose last admission is oldest (a single-prompt request's
+    never is), then the earliest arrival; a client request's own groups go in arrival order.
+
+    With every group a client request of its own, or all of one client request, this is the waiting queue's
+    order: FCFS. The queue is read (once per step) only on the first turn that could differ from it."""
+
+    def __init__(
+        self, waiting: list[SequenceGroup], running: list[SequenceGroup], last: dict[str, int]
+    ) -> None:
+        self.waiting = waiting
+        self.running = running
+        self.last = last  # client request id -> the number of its latest admission (kept by the Scheduler)
+        # One entry per client request waiting: (groups running, latest admission, its head's rank, key).
+        self.heap: list[tuple[int, int, int, str]] | None = None
+        self.queues: dict[str, deque[tuple[int, SequenceGroup]]] = {}
+
+    def next(self) -> SequenceGroup:
+        """The group whose turn it is (self.waiting must not be empty)."""
+        if self.heap is None:
+            head = self.waiting[0]
+            if head.client_request_id is None:
+                return head  # a client request of its own, never admitted: no one comes before the head
+            self._read_queue()
+            assert self.heap is not None
+        return self.queues[self.heap[0][3]][0][1]
+
+    def take(self, group: SequenceGroup, admitted: bool, turn: int) -> None:
+        """`group` (the one `next` gave) leaves the waiting queue, admitted (as admission number `turn`) or
+        ignored."""
+        self.waiting.remove(group)
+        if admitted and group.client_request_id is not None:
+            self.last[group.client_request_id] = turn
+        if self.heap is None:
+            return
+        count, _, _, key = heapq.heappop(self.heap)
+        queue = self.queues[key]
+        queue.popleft()
+        if queue:
+            heapq.heappush(self.heap, (count + admitted, self.last.get(key, -1), queue[0][0], key))
+
+    def _read_queue(self) -> None:
+        num_running = Counter(g.client_key for g in self.running)
+        for rank, group in enumerate(self.waiting):
+            self.queues.setdefault(group.client_key, deque()).append((rank, group))
+        self.heap = [
+            (num_running[key], self.last.get(key, -1), queue[0][0], key) for key, queue in self.queues.items()
+        ]
+        heapq.heapify(self.heap)
+
+
 class Scheduler:
-    """FCFS continuous batching over waiting / running / swapped queues, each kept in arrival order."""
+    """Continuous batching over waiting / running / swapped queues, each kept in arrival order: running first,
+    then swapped-in, then admissions, FCFS except that admission takes turns between client requests
+    (`SequenceGroup.client_request_id`: the prompts of one HTTP request), so that a request of many prompts
+    cannot hold another's first token for the whole of its prefill."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -49,6 +107,12 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self._groups: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        # Admission's turns between client requests (_Turns): each shared client request's latest admission
+        # number, and its groups not finished (its entry goes with the last of them).
+        self._num_admissions = 0
+        self._latest_arrival = -math.inf  # of every group added so far
+        self._last_turn: dict[str, int] = {}
+        self._client_groups: Counter[str] = Counter()
         self.num_preemptions = 0  # total so far, recompute and swap
         self.num_swap_outs = 0
         self.num_ignored = 0
@@ -61,6 +125,9 @@ class Scheduler:
         if any(seq.seq_id in self._seqs or seq.num_computed_tokens for seq in group.seqs):
             raise ValueError(f"request {group.request_id!r} reuses a sequence id or a computed sequence")
         self._groups[group.request_id] = group
+        self._latest_arrival = max(self._latest_arrival, group.arrival_time)
+        if group.client_request_id is not None:
+            self._client_groups[group.client_request_id] += 1
         for seq in group.seqs:
             seq.status = SequenceStatus.WAITING
             self._seqs[seq.seq_id] = (seq, group)
@@ -190,10 +257,20 @@ class Scheduler:
 
     # ---- phases --------------------------------------------------------------------------------------
     def _schedule_running(self, st: _Step) -> None:
+        # A prefill admitted before a request now waiting arrived leaves it half the step's budget, so that a
+        # long prompt holds a newcomer's first token for one step, not for the whole of its prefill. A batch
+        # that arrives at once (LLM.generate's) has no newcomer: its schedule stays FCFS.
+        on = self.waiting and self.config.enable_chunked_prefill
+        newest = self.waiting[-1].arrival_time if on else -math.inf
+        reserve = self.config.max_num_batched_tokens // 2
         i = 0
         while i < len(self.running) and st.budget > 0 and st.seqs_left > 0:
             group = self.running[i]
-            items = self._chunk(group.get_seqs(SequenceStatus.RUNNING), st)
+            items = self._chunk(
+                group.get_seqs(SequenceStatus.RUNNING),
+                st,
+                reserve=reserve if newest > group.arrivals_seen else 0,
+            )
             if not items:
                 i += 1
                 continue
@@ -241,6 +318,7 @@ class Scheduler:
                     self._ignore(group, "the request needs more blocks than the whole KV cache", st)
                     continue
             st.swap_in.extend(self.kv.swap_in(group))
+            group.arrivals_seen = self._latest_arrival
             self.swapped.pop(0)
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
@@ -253,12 +331,13 @@ class Scheduler:
         if not self.waiting:
             return
         num_running_seqs = self._num_running_seqs()
+        turns = _Turns(self.waiting, self.running, self._last_turn)
         while self.waiting and st.budget > 0 and st.seqs_left > 0:
-            group = self.waiting[0]
+            group = turns.next()
             seqs = group.get_seqs(SequenceStatus.WAITING)
             reason = self._never_fits(seqs)
             if reason is not None:
-                self.waiting.pop(0)
+                turns.take(group, admitted=False, turn=self._num_admissions)
                 self._ignore(group, reason, st)
                 continue
             if self.running and num_running_seqs + len(seqs) > self.config.max_num_seqs:
@@ -275,7 +354,9 @@ class Scheduler:
                 seq.num_computed_tokens = hits[seq.seq_id].num_tokens
             copies = self.kv.allocate_group_slots(items)
             assert copies is not None, "admission checked the blocks this chunk needs"
-            self.waiting.pop(0)
+            self._num_admissions += 1
+            turns.take(group, admitted=True, turn=self._num_admissions)
+            group.arrivals_seen = self._latest_arrival
             self._set_status(seqs, SequenceStatus.RUNNING)
             bisect.insort_right(self.running, group, key=_by_arrival)
             num_running_seqs += len(seqs)
@@ -283,10 +364,10 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _chunk(
-        self, seqs: list[Sequence], st: _Step, hits: dict[int, PrefixHit] | None = None
+        self, seqs: list[Sequence], st: _Step, hits: dict[int, PrefixHit] | None = None, reserve: int = 0
     ) -> list[tuple[Sequence, int]]:
-        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget; a waiting
-        sequence's chunk starts after its prefix hit."""
+        """(seq, num_new_tokens) for the sequences that need compute, within the step's budget (a prefill
+        chunk leaves `reserve` of it); a waiting sequence's chunk starts after its prefix hit."""
         items: list[tuple[Sequence, int]] = []
         budget, seqs_left = st.budget, st.seqs_left
         for seq in seqs:
@@ -294,7 +375,7 @@ class Scheduler:
             remaining = seq.num_tokens - computed
             if remaining <= 0:
                 continue
-            n = min(remaining, budget)
+            n = min(remaining, budget if remaining == 1 else budget - reserve)
             if n <= 0 or seqs_left <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 break
             items.append((seq, n))
@@ -346,7 +427,8 @@ class Scheduler:
         """Finish a group that can never be scheduled (it is already out of every queue)."""
         for seq in group.unfinished_seqs():
             self._finish(seq, SequenceStatus.FINISHED_IGNORED)
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self._forget_client(group)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
         st.ignored.append((group.request_id, reason))
@@ -363,9 +445,20 @@ class Scheduler:
                 if g is group:
                     del queue[i]
                     break
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self._forget_client(group)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
+
+    def _forget_client(self, group: SequenceGroup) -> None:
+        """A group has left the scheduler: its client request's turn is forgotten with its last group."""
+        key = group.client_request_id
+        if key is None:
+            return
+        self._client_groups[key] -= 1
+        if not self._client_groups[key]:
+            del self._client_groups[key]
+            self._last_turn.pop(key, None)
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_unfinished_seqs() for g in self.running)

@@ -98,6 +98,17 @@ class SequenceGroup:
     arrival_time: float
     # False: the prompt must run whole (its tokens are scored), so no prefix-cache hit is taken for it.
     reads_prefix_cache: bool = True
+    # The client request this group is one prompt of (an HTTP request with several prompts): the scheduler
+    # shares admission between client requests, not groups (see Scheduler). None: a client request of its own.
+    client_request_id: str | None = None
+    # Set by the scheduler when it last brought the group onto the GPU (admission or swap-in): the latest
+    # arrival_time of any group added by then. A group waiting that arrived later is new to it.
+    arrivals_seen: float = 0.0
+
+    @property
+    def client_key(self) -> str:
+        """Whose turn this group's admission takes: its client request's id, else its own request id."""
+        return self.client_request_id if self.client_request_id is not None else self.request_id
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         """All sequences, or those with the given status."""

@@ -194,7 +194,7 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self, prompt: Prompt, params: SamplingParams, request_id: str, client_request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request now and stream its cumulative RequestOutput after each step it advanced in (the
         newest only, when several are waiting for a slow consumer); the last is finished.
@@ -207,7 +207,9 @@ class AsyncEngine:
         self._check_serving()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
-        request = self.engine.process_inputs(request_id, prompt, params)
+        request = replace(
+            self.engine.process_inputs(request_id, prompt, params), client_request_id=client_request_id
+        )
         self._start()
         stream = self._streams.open(request_id)
         self._pending_requests += 1

@@ -55,9 +55,11 @@ class EngineClient(Protocol):
         ...
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self, prompt: Prompt, params: SamplingParams, request_id: str, client_request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Queue the request now; stream its cumulative outputs, the last one finished.
+        """Queue the request now; stream its cumulative outputs, the last one finished. `client_request_id`:
+        the client request it is one prompt of (the scheduler's admission takes turns between client requests);
+        None, a client request of its own.
 
         A request the engine will not run raises RequestError (naming the parameter) here, and nothing is
         queued; a failure inside the engine raises EngineError from the stream. Closing the stream, or

@@ -195,12 +195,12 @@ class _Core:
             if kind == "stop":
                 return False
             if kind == "add":
-                _, request_id, prompt, ids, params = op
+                _, request_id, prompt, ids, params, client_request_id = op
                 self.applied += 1
                 spec = params.structured_outputs
                 grammar = engine.grammars.start(spec) if spec is not None else None
                 try:
-                    engine.add(EngineRequest(request_id, prompt, ids, params, grammar))
+                    engine.add(EngineRequest(request_id, prompt, ids, params, grammar, client_request_id))
                 except RequestError as e:
                     self.channel.send(encode(Failed([request_id], str(e), True, e.param, e.code)))
                     continue

@@ -124,7 +124,11 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), ids)
         # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
         group = SequenceGroup(
-            request.request_id, [seq], time.monotonic(), reads_prefix_cache=params.prompt_logprobs is None
+            request.request_id,
+            [seq],
+            request.arrival_time if request.arrival_time is not None else time.monotonic(),
+            reads_prefix_cache=params.prompt_logprobs is None,
+            client_request_id=request.client_request_id,
         )
         strategy = self._strategy(params, len(ids))
         req = Request(group, request.prompt, list(ids), params, strategy, RequestMetrics(group.arrival_time))

@@ -395,10 +395,13 @@ class ModelRunner:
             events[1].record()
         prompt_logits = {}
         if prompt_logits_of:
+            # One LM head over every scored chunk's rows: a call per chunk re-reads the whole vocabulary's
+            # weights each time (34 chunks of 15 rows: 3.4 s on the CPU, against 0.6 s for their 512 rows at once).
             starts = list(itertools.accumulate((s.num_new_tokens for s in out.scheduled), initial=0))
-            prompt_logits = {
-                i: self.model.compute_logits(hidden[starts[i] : starts[i + 1]]) for i in prompt_logits_of
-            }
+            rows = [r for i in prompt_logits_of for r in range(starts[i], starts[i + 1])]
+            logits_of = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            sizes = [starts[i + 1] - starts[i] for i in prompt_logits_of]
+            prompt_logits = dict(zip(prompt_logits_of, logits_of.split(sizes), strict=True))
         return ExecuteOutput(logits, prompt_logits, graph, events)
 
     # ---- outside the engine's steps ------------------------------------------------------------------------

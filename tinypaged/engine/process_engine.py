@@ -297,7 +297,7 @@ class ProcessEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self, prompt: Prompt, params: SamplingParams, request_id: str, client_request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check the request and send it now; stream its cumulative RequestOutput after each step it advanced
         in (the newest only, when several wait for a slow consumer); the last is finished.
@@ -315,7 +315,7 @@ class ProcessEngine:
         self._outputs.add(request_id, request.prompt, request.prompt_token_ids)
         self._sent += 1
         self._unapplied.append((self._sent, params.num_seqs))
-        self._send(("add", request_id, request.prompt, request.prompt_token_ids, params))
+        self._send(("add", request_id, request.prompt, request.prompt_token_ids, params, client_request_id))
         return stream
 
     async def abort(self, request_id: str) -> None:

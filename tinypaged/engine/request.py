@@ -40,6 +40,12 @@ class EngineRequest:
     # With params.structured_outputs: its own matcher at its grammar's start, built in the engine's grammar pool
     # once the grammar compiled (`GrammarCompiler.start`).
     grammar: Future[LLMatcher] | None = None
+    # The client request this is one prompt of (`SequenceGroup.client_request_id`): admission takes turns
+    # between client requests. None: a client request of its own.
+    client_request_id: str | None = None
+    # When it arrived (time.monotonic()); None: when it is queued. The requests of one LLM.generate batch
+    # arrive together, however long checking them takes.
+    arrival_time: float | None = None
 
 
 @dataclass

@@ -338,7 +338,9 @@ class OpenAIServing:
         try:
             for i, (pr, sp) in enumerate(zip(prompts, params, strict=True)):
                 prompt = {"prompt": pr.text, "prompt_token_ids": pr.ids}
-                gens.append(self.engine.generate(prompt, sp, f"{request_id}-{i}"))
+                # One HTTP request's prompts take one turn together (Scheduler: fairness).
+                key = request_id if len(prompts) > 1 else None
+                gens.append(self.engine.generate(prompt, sp, f"{request_id}-{i}", key))
         except (RequestError, EngineError) as e:
             for i in range(len(gens)):
                 asyncio.ensure_future(self.engine.abort(f"{request_id}-{i}"))
