@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
+import reprlib
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from tinypaged import limits
 from tinypaged.errors import RequestError
@@ -36,7 +40,9 @@ class StructuredOutputsParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise RequestError naming the first bad field: exactly one constraint, within tinypaged.limits."""
+        """Raise RequestError naming the first bad field: each of its type, exactly one constraint, within
+        tinypaged.limits."""
+        check_types(self, "structured_outputs.")
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise RequestError(
@@ -68,25 +74,23 @@ class StructuredOutputsParams:
                 raise RequestError(f"a JSON schema must be JSON data: {e}", param) from e
         elif kind == "choice":
             choice = self.choice
-            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
+            if not choice:
                 raise RequestError("choice must be a non-empty list of strings", param)
             if len(choice) > limits.MAX_CHOICES:
                 raise RequestError(f"at most {limits.MAX_CHOICES} choices, got {len(choice)}", param)
             text = "".join(choice)
-        elif kind == "json_object":
-            if self.json_object is not True:
-                raise RequestError("json_object must be true when given", param)
+        elif kind == "json_object":  # a bool, given: True
             text = ""
         else:
             text = getattr(self, kind)
-            if not isinstance(text, str) or (kind == "grammar" and not text.strip()):
+            if kind == "grammar" and not text.strip():
                 raise RequestError(f"{kind} must be a non-empty string", param)
         if len(text) > limits.MAX_GRAMMAR_CHARS:
             raise RequestError(
                 f"{kind} is {len(text)} characters long; the limit is {limits.MAX_GRAMMAR_CHARS}", param
             )
         ws = self.whitespace_pattern
-        if ws is not None and (not isinstance(ws, str) or len(ws) > limits.MAX_STOP_STRING_CHARS):
+        if ws is not None and len(ws) > limits.MAX_STOP_STRING_CHARS:
             raise RequestError(
                 f"whitespace_pattern must be a regex of at most {limits.MAX_STOP_STRING_CHARS} characters",
                 "structured_outputs.whitespace_pattern",
@@ -172,23 +176,33 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        # What the constructor takes besides the fields' own types (a str or None for stop, None for
+        # stop_token_ids, a dict for structured_outputs); anything else is left for verify() to name.
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = [key for key in so if key not in _type_hints(StructuredOutputsParams)]
+            if unknown:
+                raise RequestError(f"structured_outputs has no field {unknown[0]!r}", "structured_outputs")
+            self.structured_outputs = StructuredOutputsParams(**so)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if _fits(self.top_k, int) and self.top_k == -1:
             self.top_k = 0
         self.verify()
 
     def verify(self) -> None:
         """Raise RequestError naming the first bad value (call again after changing fields). The ranges are
-        tinypaged.limits' (docs/limits.md)."""
+        tinypaged.limits' (docs/limits.md). Types first, as HTTP's schema has them: no check below meets one it
+        cannot compare."""
+        check_types(self)
         best_of = self.best_of if self.best_of is not None else self.n
         checks = [
-            ("n", _is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n}"),
-            ("best_of", _is_int(best_of) and best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("best_of", best_of >= 1, f"best_of must be at least 1, got {self.best_of}"),
             (
                 "best_of",
                 best_of >= self.n,
@@ -197,27 +211,26 @@ class SamplingParams:
             _range("temperature", self.temperature, limits.TEMPERATURE),
             (
                 "top_p",
-                _real(self.top_p) and 0.0 < self.top_p <= 1.0,
+                0.0 < self.top_p <= 1.0,
                 f"top_p must be in (0, 1], got {self.top_p}",
             ),
             (
                 "top_k",
-                _is_int(self.top_k) and self.top_k >= 0,
+                self.top_k >= 0,
                 f"top_k must be -1 (disable) or at least 1, got {self.top_k}",
             ),
             _range("min_p", self.min_p, (0.0, 1.0)),
             _range("repetition_penalty", self.repetition_penalty, limits.REPETITION_PENALTY),
             _range("presence_penalty", self.presence_penalty, limits.PENALTY),
             _range("frequency_penalty", self.frequency_penalty, limits.PENALTY),
-            ("seed", self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (
                 "max_tokens",
-                self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+                self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be at least 1, got {self.max_tokens}",
             ),
             (
                 "min_tokens",
-                _is_int(self.min_tokens) and self.min_tokens >= 0,
+                self.min_tokens >= 0,
                 f"min_tokens must be non-negative, got {self.min_tokens}",
             ),
             (
@@ -227,7 +240,7 @@ class SamplingParams:
             ),
             (
                 "stop",
-                all(isinstance(s, str) and s for s in self.stop),
+                all(self.stop),
                 "stop strings must be non-empty strings",
             ),
             (
@@ -239,7 +252,7 @@ class SamplingParams:
             ),
             (
                 "stop_token_ids",
-                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                all(t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be ids >= 0",
             ),
             (
@@ -249,19 +262,13 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None
-                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-            ),
-            (
-                "output_kind",
-                isinstance(self.output_kind, RequestOutputKind),
-                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
             ),
         ]
         if self.use_beam_search:
@@ -281,11 +288,6 @@ class SamplingParams:
                     self.top_p == 1.0 and self.top_k == 0 and self.min_p == 0.0,
                     "top_p, top_k and min_p must be left at their defaults when using beam search",
                 ),
-                (
-                    "early_stopping",
-                    self.early_stopping in (True, False, "never"),
-                    f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
-                ),
                 _range("length_penalty", self.length_penalty, limits.LENGTH_PENALTY),
                 (
                     "stop",
@@ -302,7 +304,7 @@ class SamplingParams:
                 ),
                 (
                     "length_penalty",
-                    _real(self.length_penalty) and abs(self.length_penalty - 1.0) < _SAMPLING_EPS,
+                    1.0 - _SAMPLING_EPS < self.length_penalty < 1.0 + _SAMPLING_EPS,  # no float(a huge int)
                     "length_penalty only applies to beam search (use_beam_search=True)",
                 ),
             ]
@@ -310,8 +312,6 @@ class SamplingParams:
             if not ok:
                 raise RequestError(message, param)
         if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise RequestError("structured_outputs must be StructuredOutputsParams", "structured_outputs")
             self.structured_outputs.verify()
 
     @property
@@ -325,16 +325,54 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
 
-def _real(value: object) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _range(name: str, value: float, bounds: tuple[float, float]) -> tuple[str, bool, str]:
-    """The check that a parameter is a real number in [lo, hi]."""
-    ok = _real(value) and bounds[0] <= value <= bounds[1]
-    return name, ok, f"{name} must be in [{bounds[0]}, {bounds[1]}], got {value}"
+    """The check that a number is in [lo, hi] (not NaN)."""
+    return (
+        name,
+        bounds[0] <= value <= bounds[1],
+        f"{name} must be in [{bounds[0]}, {bounds[1]}], got {reprlib.repr(value)}",
+    )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def check_types(obj: object, prefix: str = "") -> None:
+    """RequestError naming (`prefix` + name) the first field of dataclass `obj` whose value is not of the type
+    its annotation says, by the HTTP schema's (msgspec's) rules: a bool is not a number, an int is a float,
+    a list's items and a dict's keys and values have their types too."""
+    for name, hint in _type_hints(type(obj)).items():
+        value = getattr(obj, name)
+        if not _fits(value, hint):
+            raise RequestError(f"{name} must be {_spell(hint)}, got {reprlib.repr(value)}", prefix + name)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value: object, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is Literal:
+        return any(type(value) is type(arg) and value == arg for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items()
+        )
+    if hint is Any:
+        return True
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) if hint is float else isinstance(value, hint)
+
+
+def _spell(hint: Any) -> str:
+    """A type as Python writes it: `int | None`, `list[str]`, `bool | 'never'`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType, Literal):
+        return " | ".join(repr(arg) if origin is Literal else _spell(arg) for arg in args)
+    if args:
+        return f"{origin.__name__}[{', '.join(map(_spell, args))}]"
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import fields
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from tinypaged import LLM, SamplingParams
 from tinypaged import limits as L
 from tinypaged.errors import RequestError
+from tinypaged.sampling_params import StructuredOutputsParams
 
 VOCAB = 49152  # the default model's
 WORDS = "the a river blue seven engine paged block copy token , . ! \n é 漢 <|im_end|>".split(" ")
@@ -113,3 +115,84 @@ def test_any_schema_value_is_served_or_refused(llm: LLM, batch: list) -> None:
 def report() -> Iterator[None]:
     yield
     print(f"\nparameter fuzz: {dict(sorted(SEEN.items()))}")
+
+
+# Each field's types as HTTP's schema has them (the constructor's: stop also a str, None for the lists, a dict
+# for structured_outputs): any value of another kind is a RequestError naming the field, before any check
+# compares it.
+NUMBER = {"int", "float"}
+ACCEPTS: dict[str, set[str]] = {
+    **dict.fromkeys(["n", "top_k", "min_tokens"], {"int"}),
+    **dict.fromkeys(["best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs"], {"int", "none"}),
+    **dict.fromkeys(["include_stop_str_in_output", "ignore_eos", "skip_special_tokens"], {"bool"}),
+    **dict.fromkeys(["temperature", "top_p", "min_p", "repetition_penalty", "length_penalty"], NUMBER),
+    **dict.fromkeys(["presence_penalty", "frequency_penalty"], NUMBER),
+    "stop": {"str", "list[str]", "none"},
+    "stop_token_ids": {"list[int]", "none"},
+    "use_beam_search": {"bool"},
+    "early_stopping": {"bool", "never"},
+    "structured_outputs": {"none", "dict"},
+    "output_kind": set(),
+}
+STRUCTURED_ACCEPTS: dict[str, set[str]] = {
+    **dict.fromkeys(["regex", "grammar", "whitespace_pattern"], {"str", "none"}),
+    "json": {"dict", "str", "none"},
+    "choice": {"list[str]", "none"},
+    "json_object": {"bool", "none"},
+    "disable_any_whitespace": {"bool"},
+}
+KINDS = {
+    "int": st.integers(-(2**70), 2**70),
+    "float": st.floats(),
+    "bool": st.booleans(),
+    "none": st.none(),
+    "str": st.text(max_size=4).filter(lambda s: s != "never"),
+    "list[str]": st.lists(st.text(max_size=3), min_size=1, max_size=3),
+    "list[int]": st.lists(st.integers(0, 99), min_size=1, max_size=3),
+    "list": st.lists(
+        st.one_of(st.floats(), st.booleans(), st.none(), st.builds(object)), min_size=1, max_size=3
+    ),
+    "dict": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    "object": st.builds(object),
+}
+
+
+def test_every_field_has_its_types() -> None:
+    assert set(ACCEPTS) == {f.name for f in fields(SamplingParams)}
+    assert set(STRUCTURED_ACCEPTS) == {f.name for f in fields(StructuredOutputsParams)}
+
+
+@st.composite
+def wrong_type(draw: st.DrawFn) -> tuple[str, object, dict]:
+    """A field, a value of a kind it does not take, and the constructor's arguments that give it that value."""
+    nested = draw(st.booleans())
+    name = draw(st.sampled_from(sorted(STRUCTURED_ACCEPTS if nested else ACCEPTS)))
+    accepted = (STRUCTURED_ACCEPTS if nested else ACCEPTS)[name]
+    value = draw(st.sampled_from([k for k in KINDS if k not in accepted]).flatmap(KINDS.__getitem__))
+    if not nested:
+        return name, value, {name: value}
+    other = {"choice": ["a"]} if name == "regex" else {"regex": "a"}  # a valid constraint beside it
+    return f"structured_outputs.{name}", value, {"structured_outputs": {**other, name: value}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=wrong_type(), after=st.booleans())
+def test_a_wrong_type_is_refused_by_name(case: tuple[str, object, dict], after: bool) -> None:
+    param, value, kwargs = case
+    with pytest.raises(RequestError) as e:
+        if after and "." not in param:  # set on a valid SamplingParams, then verify() (vLLM's habit)
+            params = SamplingParams()
+            setattr(params, param, value)
+            params.verify()
+        else:
+            SamplingParams(**kwargs)
+    assert e.value.param == param, (str(e.value), value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"), [(dict(n="a", best_of=2), "n"), (dict(min_tokens="x", max_tokens=5), "min_tokens")]
+)
+def test_wrong_types_before_comparisons(kwargs: dict, param: str) -> None:
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
