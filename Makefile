@@ -5,17 +5,26 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup weights serve generate test lint loadtest clean
+.PHONY: setup setup-test weights serve generate test lint loadtest clean
 
+# Serving's install: the runtime dependencies alone (`make serve`, `generate`, `weights`). The test extras
+# (transformers, playwright, locust, ...) go on top only for the targets that need them, each install once
+# and again when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.installed
+
+setup-test: $(VENV)/.installed-test
 
 # Phony: the model's `.complete` marker is outside the tree; the fetch itself is idempotent and quick when done.
 weights: setup
@@ -31,16 +40,16 @@ generate: setup weights
 # engine tests must not run the whole model through the interpreter. (`pytest`, not `python -m pytest`:
 # the latter puts the repo root on sys.path, where HF transformers would mistake kernels/ for its kernel hub.)
 # Each prints its slowest tests: the suite's time is watched.
-test: setup weights
+test: setup-test weights
 	$(VENV)/bin/pytest -q --durations=15 tests --ignore=tests/kernels
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q --durations=5 tests/kernels
 
 # A short headless locust run (both user classes, 30 s) against a local server on the default model.
-loadtest: setup weights
+loadtest: setup-test weights
 	$(PY) loadtest/local_server.py --max-model-len 1024 -- $(VENV)/bin/locust -f loadtest/locustfile.py \
 		--headless --users 4 --spawn-rate 4 --run-time 30s --only-summary --prompt-len 16-128 --output-len 16-64
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check tinypaged kernels weights tests benchmarks loadtest
 	$(VENV)/bin/ruff format --check tinypaged kernels weights tests benchmarks loadtest
 
