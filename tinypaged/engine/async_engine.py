@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from tinypaged import limits
 from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
+from tinypaged.engine.client import check_serving
 from tinypaged.engine.liveness import Watchdog, stall_message
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.queued_step import StepError
@@ -244,12 +245,7 @@ class AsyncEngine:
 
     def _check_serving(self) -> None:
         """EngineDeadError if the loop died or the engine is stalled, EngineError if it was shut down."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
-        if self._watchdog.stalled is not None:
-            raise EngineDeadError(self._watchdog.stalled)
+        check_serving(self._dead, self._stopped, self._watchdog.stalled)
 
     # ---- liveness (the watchdog's probe and verdict) ----------------------------------------------------
 

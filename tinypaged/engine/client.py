@@ -12,6 +12,7 @@ from typing import Protocol
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import Prompt
 from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
+from tinypaged.errors import EngineDeadError, EngineError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -89,3 +90,14 @@ class EngineClient(Protocol):
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
         """Call `listener` with each step's statistics, on the event loop, as the step completes."""
         ...
+
+
+def check_serving(dead: str | None, stopped: bool, stalled: str | None) -> None:
+    """A client's one verdict on whether its engine takes work: EngineDeadError if it died (`dead`, why) or is
+    stalled (`stalled`, why; it may move again), EngineError if it was shut down."""
+    if dead is not None:
+        raise EngineDeadError(dead)
+    if stopped:
+        raise EngineError("the engine has been shut down")
+    if stalled is not None:
+        raise EngineDeadError(stalled)

@@ -29,6 +29,7 @@ from typing import Any
 
 from tinypaged import limits
 from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
+from tinypaged.engine.client import check_serving
 from tinypaged.engine.core_process import run_core
 from tinypaged.engine.inputs import InputProcessor
 from tinypaged.engine.liveness import (
@@ -325,12 +326,7 @@ class ProcessEngine:
 
     def _check_serving(self) -> None:
         """EngineDeadError if the core died or is stalled, EngineError if it was shut down."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._stopped:
-            raise EngineError("the engine has been shut down")
-        if self._watchdog.stalled is not None:
-            raise EngineDeadError(self._watchdog.stalled)
+        check_serving(self._dead, self._stopped, self._watchdog.stalled)
 
     def _send(self, op: tuple[Any, ...]) -> None:
         if self._channel is not None and not self._stopped and self._dead is None:
