@@ -26,7 +26,7 @@ import torch
 from tinypaged import LLM, SamplingParams, ops
 from tinypaged.config import ModelConfig
 from tinypaged.engine.request import Prompt
-from tinypaged.engine.stats import StepResult, StepStats
+from tinypaged.engine.step.stats import StepResult, StepStats
 from tinypaged.outputs import RequestOutput
 
 COPY_TBPS = 4.28  # H200 device-to-device copy, measured (BENCHMARKS.md, "Targets")

@@ -28,7 +28,7 @@ import torch
 from common import PHASES, run_steps, write_json
 
 from tinypaged import LLM, RequestOutputKind, SamplingParams
-from tinypaged.engine.sampler import Sampler, SamplingRow
+from tinypaged.engine.sampling.sampler import Sampler, SamplingRow
 
 COLUMNS = (*PHASES, "total")
 

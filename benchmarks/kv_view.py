@@ -32,8 +32,8 @@ from common import write_json
 from tinypaged import LLM, SamplingParams
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.sequence import Sequence
-from tinypaged.engine.async_engine import AsyncEngine
-from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
+from tinypaged.engine.frontend.async_engine import AsyncEngine
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.server.kv_view import kv_cache_view
 
 MODES = {"nobody": None, "every 250 ms": 0.25, "every step": 0.0}

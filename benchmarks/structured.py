@@ -39,7 +39,7 @@ from common import (
 from common import section as run_section
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.structured import GrammarCompiler
+from tinypaged.engine.sampling.structured import GrammarCompiler
 from tinypaged.sampling_params import StructuredOutputsParams
 
 SCHEMAS: list[dict[str, Any]] = [

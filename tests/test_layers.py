@@ -116,7 +116,9 @@ def test_core_is_pure(graph: dict[str, set[str]]) -> None:
         assert not {n for n in reach if n.startswith(("tinypaged.engine", "tinypaged.server"))}, name
 
 
-@pytest.mark.parametrize("module", ["tinypaged.server.app", "tinypaged.engine.client", "tinypaged.config"])
+@pytest.mark.parametrize(
+    "module", ["tinypaged.server.app", "tinypaged.engine.frontend.client", "tinypaged.config"]
+)
 def test_no_torch_behind(import_graph: dict[str, set[str]], module: str) -> None:
     """Importing the server loads no torch: it talks to the engine through the client protocol and never
     touches tensors; the config stays light too (`tinypaged --help` builds its flags from it)."""
@@ -124,3 +126,47 @@ def test_no_torch_behind(import_graph: dict[str, set[str]], module: str) -> None
     assert "torch" not in reach, (
         f"{module} reaches torch through {sorted(n for n in reach if 'tinypaged' in n)}"
     )
+
+
+def _layer(module: str) -> str | None:
+    """The engine layer a module belongs to ("frontend", "step", "sampling", "device"), or None."""
+    parts = module.split(".")
+    if parts[:2] == ["tinypaged", "engine"] and len(parts) > 3:
+        return parts[2]
+    return None
+
+
+# What each engine layer may import of the others (its own modules and engine/request.py always).
+ALLOWED = {
+    "frontend": {"step", "sampling"},
+    "step": {"sampling", "device"},
+    "sampling": set(),
+    "device": set(),
+}
+
+
+def test_engine_layers_point_one_way(graph: dict[str, set[str]]) -> None:
+    """The frontend and sampling never import the device side; the device side imports no other layer; no
+    layer imports the frontend; the server reaches the engine through the frontend and the step's plain data
+    (stats, input checks), never sampling or the device. Lazy imports count too."""
+    assert {_layer(n) for n in graph} >= set(ALLOWED), "an engine layer is missing"
+    wrong = []
+    for name, deps in graph.items():
+        mine = _layer(name)
+        for dep in deps:
+            theirs = _layer(dep)
+            if theirs is None or theirs == mine:
+                continue
+            if mine is None:
+                ok = not name.startswith("tinypaged.server") or theirs in {"frontend", "step"}
+            else:
+                ok = theirs in ALLOWED[mine]
+            if not ok:
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, "imports against the layers' direction:\n" + "\n".join(sorted(wrong))
+
+
+def test_request_is_the_shared_vocabulary(graph: dict[str, set[str]]) -> None:
+    """engine/request.py imports no engine layer: every layer can use it."""
+    deps = graph["tinypaged.engine.request"]
+    assert not {d for d in deps if d.startswith("tinypaged.engine")}, deps

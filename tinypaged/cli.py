@@ -42,8 +42,8 @@ def _engine_args(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tinypaged.engine.async_engine import AsyncEngine
-    from tinypaged.engine.process_engine import ProcessEngine
+    from tinypaged.engine.frontend.async_engine import AsyncEngine
+    from tinypaged.engine.frontend.process_engine import ProcessEngine
     from tinypaged.server.app import ServerConfig, serve
 
     engine_config = EngineConfig(**_engine_args(args))
@@ -82,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from tinypaged.engine.worker import main as worker_main
+    from tinypaged.engine.device.worker import main as worker_main
 
     argv = ["--rank", str(args.rank)] + (
         [] if args.local_rank is None else ["--local-rank", str(args.local_rank)]

@@ -124,7 +124,7 @@ def _arg(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - argparse'
 # on an H200 (2,048: ~107 ms), at 3-8% of offline throughput, which the larger default keeps (BENCHMARKS.md).
 SERVE_DEFAULTS = {"max_num_batched_tokens": 512}
 
-# Seconds an engine with work may go without a step before it is declared stalled (engine/liveness.py;
+# Seconds an engine with work may go without a step before it is declared stalled (engine/frontend/liveness.py;
 # `tinypaged serve --engine-stall-timeout`). Long enough for the longest legitimate step, with a wide margin. On 2
 # CPU cores (the default model) a step of 8,100 prompt tokens took 56 s, 109 s with 20 prompt logprobs; under
 # `tinypaged serve`'s 512-token steps, a chunk with 20 prompt logprobs took 8-19 s. A GPU's first steps of a

@@ -1,5 +1,5 @@
 """Every limit one request is held to, in one place (docs/limits.md explains each). The engine checks them
-(SamplingParams, engine/inputs.py) and the HTTP schema shows them (server/protocol.py, `/openapi.json`).
+(SamplingParams, engine/step/inputs.py) and the HTTP schema shows them (server/protocol.py, `/openapi.json`).
 
 They keep one request's work and memory bounded whatever its options, so that it cannot hurt the others: no
 option multiplies another's cost past these bounds.
@@ -20,7 +20,7 @@ REPETITION_PENALTY = (0.01, 2.0)  # logits divided (or multiplied) by it stay fi
 PENALTY = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
 TEMPERATURE = (0.0, 2.0)  # OpenAI's range
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
-# Structured outputs (engine/structured.py): a JSON schema (as JSON text), regex, grammar or choices together.
+# Structured outputs (engine/sampling/structured.py): a JSON schema (as JSON text), regex, grammar or choices together.
 MAX_GRAMMAR_CHARS = 64 * 1024
 # Nesting of a JSON schema's objects and arrays (a property's schema is two levels below its object's: the
 # `properties` map, then the schema). Checked without recursion, before any compiler sees the schema; real

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.inputs import wait_grammar
-from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.stats import StepResult
+from tinypaged.engine.step.inputs import wait_grammar
+from tinypaged.engine.step.llm_engine import LLMEngine
+from tinypaged.engine.step.stats import StepResult
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer

@@ -171,7 +171,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
-    # The output follows a JSON schema, regex, choice list or grammar (constrained decoding: engine/structured.py).
+    # The output follows a JSON schema, regex, choice list or grammar (constrained decoding:
+    # engine/sampling/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 

@@ -10,7 +10,7 @@ import pytest
 import uvloop
 
 from tinypaged import LLM, RequestOutputKind, SamplingParams
-from tinypaged.engine.async_engine import AsyncEngine
+from tinypaged.engine.frontend.async_engine import AsyncEngine
 from tinypaged.errors import EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.engine.step.llm_engine import LLMEngine
 
 WORDS = "the a river mountain quickly blue seven engine paged memory block table copy write token".split()
 

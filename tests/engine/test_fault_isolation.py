@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.parallel_sampling import ParallelSampling
-from tinypaged.engine.sampler import Sampler
+from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
+from tinypaged.engine.sampling.sampler import Sampler
+from tinypaged.engine.step.llm_engine import LLMEngine
 from tinypaged.errors import RequestError
 from tinypaged.limits import MAX_LOGPROB_ENTRIES, MAX_STOP_TOKEN_IDS
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.queued_step import StepError
+from tinypaged.engine.step.llm_engine import LLMEngine
+from tinypaged.engine.step.queued_step import StepError
 
 
 def _idle_and_clean(engine: LLMEngine) -> None:

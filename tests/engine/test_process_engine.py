@@ -17,9 +17,9 @@ import uvloop
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.config import EngineConfig
-from tinypaged.engine.process_engine import ProcessEngine
-from tinypaged.engine.stats import EngineStats
-from tinypaged.engine.wire import LOGPROB_CHUNK, DeltaDecoder, DeltaEncoder, Outputs, decode, encode
+from tinypaged.engine.frontend.process_engine import ProcessEngine
+from tinypaged.engine.frontend.wire import LOGPROB_CHUNK, DeltaDecoder, DeltaEncoder, Outputs, decode, encode
+from tinypaged.engine.step.stats import EngineStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import StructuredOutputsParams

@@ -7,9 +7,9 @@ import torch
 
 from tinypaged import ops
 from tinypaged.core.sequence import Sequence
-from tinypaged.engine.output_processor import check_stop, visible_text
-from tinypaged.engine.request import SeqState
-from tinypaged.engine.sampler import Sampler, SamplingRow, seq_seed
+from tinypaged.engine.request import SeqState, visible_text
+from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, seq_seed
+from tinypaged.engine.step.output_processor import check_stop
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
 

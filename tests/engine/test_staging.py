@@ -11,8 +11,8 @@ import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import ScheduledSeq
-from tinypaged.engine.model_runner import graph_token_sizes
-from tinypaged.engine.staging import PendingTokens, Staging, longest_first
+from tinypaged.engine.device.model_runner import graph_token_sizes
+from tinypaged.engine.device.staging import PendingTokens, Staging, longest_first
 from tinypaged.model import load_model
 
 

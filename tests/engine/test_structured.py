@@ -21,10 +21,10 @@ from llguidance import LLParserLimits
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.config import EngineConfig
-from tinypaged.engine import structured
-from tinypaged.engine.process_engine import ProcessEngine
+from tinypaged.engine.frontend.process_engine import ProcessEngine
 from tinypaged.engine.request import EngineRequest
-from tinypaged.engine.structured import GrammarFailure, bitmask_width
+from tinypaged.engine.sampling import structured
+from tinypaged.engine.sampling.structured import GrammarFailure, bitmask_width
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams as Structured
 

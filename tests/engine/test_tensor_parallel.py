@@ -19,8 +19,8 @@ import pytest
 import uvloop
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.engine import executor
-from tinypaged.engine.async_engine import AsyncEngine
+from tinypaged.engine.device import executor
+from tinypaged.engine.frontend.async_engine import AsyncEngine
 from tinypaged.errors import EngineDeadError
 
 WORDS = "the a river mountain quickly blue seven engine paged memory block table copy write token".split()

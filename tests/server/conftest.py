@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.async_engine import AsyncEngine
+from tinypaged.engine.frontend.async_engine import AsyncEngine
 from tinypaged.server.app import SERVING, ServerConfig, start_server, stop_server
 
 API_KEY = "test-key"

@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-from tinypaged.engine.sampler import Sampler
+from tinypaged.engine.sampling.sampler import Sampler
 
 API_KEY, IDLE_TIMEOUT = "test-key", 4.0  # the server fixture's (tests/server/conftest.py)
 C, CHAT = "/v1/completions", "/v1/chat/completions"

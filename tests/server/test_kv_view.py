@@ -13,7 +13,7 @@ import msgspec
 
 from tinypaged.core.block_pool import PoolSnapshot
 from tinypaged.core.kv_cache_manager import CacheSnapshot
-from tinypaged.engine.stats import EngineSnapshot, EngineStats
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats
 from tinypaged.server.kv_view import kv_cache_view
 from tinypaged.server.page import PAGE_FILES, STATIC
 

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.config import EngineConfig
-from tinypaged.engine.async_engine import AsyncEngine
-from tinypaged.engine.process_engine import ProcessEngine
+from tinypaged.engine.frontend.async_engine import AsyncEngine
+from tinypaged.engine.frontend.process_engine import ProcessEngine
 from tinypaged.errors import EngineDeadError
 from tinypaged.server.app import ServerConfig, start_server, stop_server
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
-from tinypaged.core.sequence import Sequence, SequenceGroup
+from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer
@@ -166,3 +166,61 @@ class Request:
     def request_id(self) -> str:
         """The request's id."""
         return self.group.request_id
+
+
+# ---- a sequence's text and its snapshot (the output processor and the strategies both use them) ----
+
+FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+def sync_text(seq: Sequence, state: SeqState) -> None:
+    """Detokenize the sequence's output tokens not yet in `state.text` (all at once gives the same text as one
+    at a time; beams have no detokenizer: they are decoded whole when reported)."""
+    detok = state.detok
+    if detok is not None:
+        done = seq.prompt_len + detok.num_outputs
+        if done < len(seq.token_ids):
+            state.text += detok.step(seq.token_ids[done:])
+
+
+def end_text(seq: Sequence, state: SeqState, status: SequenceStatus) -> SequenceStatus:
+    """The sequence's text complete as it ends with `status` (returned): the last tokens and any partial
+    character flushed."""
+    if state.detok is not None:
+        sync_text(seq, state)
+        state.text += state.detok.flush()  # a dangling partial character, if any
+    return status
+
+
+def visible_text(params: SamplingParams, state: SeqState, finished: bool) -> str:
+    """The text a stream may show: while running, a tail that could still begin a stop string is held back."""
+    text = state.text
+    if finished or not params.stop:
+        return text
+    hold = 0
+    for stop in params.stop:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold] if hold else text
+
+
+def completion(params: SamplingParams, seq: Sequence, state: SeqState, index: int) -> CompletionOutput:
+    """A snapshot of one sequence as vLLM's CompletionOutput (lists copied: the state keeps growing)."""
+    finished = seq.status.is_finished
+    sync_text(seq, state)
+    return CompletionOutput(
+        index=index,
+        text=visible_text(params, state, finished),
+        token_ids=seq.token_ids[seq.prompt_len :],
+        cumulative_logprob=state.cumulative_logprob if params.logprobs is not None else None,
+        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        finish_reason=FINISH_REASON.get(seq.status),
+        stop_reason=state.stop_reason,
+    )

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from tinypaged import __version__
-from tinypaged.engine.client import EngineClient
+from tinypaged.engine.frontend.client import EngineClient
 from tinypaged.errors import EngineError
 from tinypaged.server import protocol as p
 from tinypaged.server.body import codings, decode_json, inflate, prefix

@@ -19,7 +19,7 @@ import itertools
 import msgspec
 
 from tinypaged.core.block_pool import PoolSnapshot
-from tinypaged.engine.stats import EngineSnapshot
+from tinypaged.engine.step.stats import EngineSnapshot
 
 
 class RequestBlocks(msgspec.Struct):

@@ -17,7 +17,7 @@ import math
 import os
 from collections import Counter
 
-from tinypaged.engine.stats import EngineStats, StepStats
+from tinypaged.engine.step.stats import EngineStats, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

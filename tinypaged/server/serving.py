@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.client import EngineClient
-from tinypaged.engine.inputs import check_logprob_entries, context_length_error, logprob_entries
+from tinypaged.engine.frontend.client import EngineClient
+from tinypaged.engine.step.inputs import check_logprob_entries, context_length_error, logprob_entries
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tinypaged import limits
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.structured import GrammarCompiler, wait
+from tinypaged.engine.sampling.structured import GrammarCompiler, wait
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from tinypaged.engine.device.staging import PendingTokens
 from tinypaged.engine.request import Draw, Request
-from tinypaged.engine.sampler import SampledBatch
-from tinypaged.engine.staging import PendingTokens
+from tinypaged.engine.sampling.sampler import SampledBatch
 from tinypaged.errors import EngineError
 from tinypaged.outputs import RequestOutput
 

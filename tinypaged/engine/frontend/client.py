@@ -11,7 +11,7 @@ from typing import Protocol
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.request import Prompt
-from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.errors import EngineDeadError, EngineError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams

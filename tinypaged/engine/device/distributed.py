@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import ScheduledSeq, SchedulerOutput
-from tinypaged.engine.model_runner import GraphChoice, resolve_device
+from tinypaged.engine.device.model_runner import GraphChoice, resolve_device
 from tinypaged.model.parallel import SymmMemAllReduce, TPGroup
 
 logger = logging.getLogger(__name__)

@@ -21,15 +21,25 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.queued_step import StepError
+from tinypaged.engine.frontend.wire import (
+    Beat,
+    Channel,
+    Dead,
+    DeltaEncoder,
+    Failed,
+    Outputs,
+    Ready,
+    Reply,
+    encode,
+)
 from tinypaged.engine.request import EngineRequest
-from tinypaged.engine.wire import Beat, Channel, Dead, DeltaEncoder, Failed, Outputs, Ready, Reply, encode
+from tinypaged.engine.step.llm_engine import LLMEngine
+from tinypaged.engine.step.queued_step import StepError
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from tinypaged.engine.stats import StepStats
+    from tinypaged.engine.step.stats import StepStats
 
 logger = logging.getLogger(__name__)
 

@@ -29,19 +29,16 @@ from typing import Any
 
 from tinypaged import limits
 from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
-from tinypaged.engine.client import check_serving
-from tinypaged.engine.core_process import run_core
-from tinypaged.engine.inputs import InputProcessor
-from tinypaged.engine.liveness import (
+from tinypaged.engine.frontend.client import check_serving
+from tinypaged.engine.frontend.core_process import run_core
+from tinypaged.engine.frontend.liveness import (
     SILENCE_TIMEOUT_S,
     Watchdog,
     heartbeat_interval,
     stall_message,
 )
-from tinypaged.engine.request import Prompt
-from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepStats
-from tinypaged.engine.streams import Streams
-from tinypaged.engine.wire import (
+from tinypaged.engine.frontend.streams import Streams
+from tinypaged.engine.frontend.wire import (
     Beat,
     Channel,
     Dead,
@@ -53,6 +50,9 @@ from tinypaged.engine.wire import (
     Reply,
     decode,
 )
+from tinypaged.engine.request import Prompt
+from tinypaged.engine.step.inputs import InputProcessor
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams

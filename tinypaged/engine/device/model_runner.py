@@ -25,7 +25,7 @@ import torch
 from tinypaged import ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import SchedulerOutput
-from tinypaged.engine.staging import ModelInput, PendingTokens, Staging, table_width
+from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.model import AttentionMetadata, load_model
 from tinypaged.model.parallel import TPGroup
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from tinypaged.config import ConfigError, EngineConfig
 from tinypaged.core.scheduler import SchedulerOutput
-from tinypaged.engine.distributed import (
+from tinypaged.engine.device.distributed import (
     HEARTBEAT_TIMEOUT_S,
     Membership,
     PromptLogits,
@@ -45,8 +45,8 @@ from tinypaged.engine.distributed import (
     publish_config,
     rank_device,
 )
-from tinypaged.engine.model_runner import ExecuteOutput, ModelRunner
-from tinypaged.engine.staging import PendingTokens
+from tinypaged.engine.device.model_runner import ExecuteOutput, ModelRunner
+from tinypaged.engine.device.staging import PendingTokens
 from tinypaged.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Executor:
         }
         for rank in range(1, local):
             # -P: the working directory stays off sys.path (a checkout's kernels/ folder is not a module).
-            cmd = [sys.executable, "-P", "-m", "tinypaged.engine.worker", "--rank", str(rank)]
+            cmd = [sys.executable, "-P", "-m", "tinypaged.engine.device.worker", "--rank", str(rank)]
             self._procs[rank] = subprocess.Popen(cmd, env=env | {"LOCAL_RANK": str(rank)})
         # Workers never outlive an engine that is dropped without shutdown() (they would also notice rank 0's
         # store vanish, through their heartbeat).

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from tinypaged.engine.stats import EngineStats, StepStats
+from tinypaged.engine.step.stats import EngineStats, StepStats
 from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -8,19 +8,19 @@ import time
 import torch
 
 from tinypaged.core.sequence import Sequence, SequenceStatus
-from tinypaged.engine.request import Extend, Request, SeqState, TokenSample
-from tinypaged.engine.sampler import seq_seed
-from tinypaged.engine.structured import first_line
-from tinypaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tinypaged.engine.request import (
+    Extend,
+    Request,
+    SeqState,
+    TokenSample,
+    end_text,
+    sync_text,
+)
+from tinypaged.engine.sampling.sampler import seq_seed
+from tinypaged.engine.sampling.structured import first_line
+from tinypaged.outputs import Logprob, RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import IncrementalDetokenizer, Tokenizer
-
-FINISH_REASON = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_IGNORED: "length",
-}
 
 
 def check_stop(
@@ -45,9 +45,9 @@ def check_stop(
     if n_out >= params.min_tokens:
         if token in params.stop_token_ids:
             state.stop_reason = token
-            return _end(seq, state, SequenceStatus.FINISHED_STOPPED)
+            return end_text(seq, state, SequenceStatus.FINISHED_STOPPED)
         if not params.ignore_eos and token in eos_ids:
-            return _end(seq, state, SequenceStatus.FINISHED_STOPPED)
+            return end_text(seq, state, SequenceStatus.FINISHED_STOPPED)
         best = None
         for stop in params.stop:
             at = state.text.find(stop, max(0, before - len(stop) + 1))
@@ -61,9 +61,9 @@ def check_stop(
             state.stop_reason = stop
             return SequenceStatus.FINISHED_STOPPED
     if params.max_tokens is not None and n_out >= params.max_tokens:
-        return _end(seq, state, SequenceStatus.FINISHED_LENGTH)
+        return end_text(seq, state, SequenceStatus.FINISHED_LENGTH)
     if len(seq.token_ids) >= max_model_len:
-        return _end(seq, state, SequenceStatus.FINISHED_LENGTH)
+        return end_text(seq, state, SequenceStatus.FINISHED_LENGTH)
     return None
 
 
@@ -78,52 +78,6 @@ def metrics_of(req: Request, finished: bool) -> RequestMetrics:
 class GrammarError(RuntimeError):
     """A token its matcher refused: never one the mask forbade (it was masked), but consuming it can run out
     one of llguidance's limits. The request fails alone, with the reason."""
-
-
-def sync_text(seq: Sequence, state: SeqState) -> None:
-    """Detokenize the sequence's output tokens not yet in `state.text` (all at once gives the same text as one
-    at a time; beams have no detokenizer: they are decoded whole when reported)."""
-    detok = state.detok
-    if detok is not None:
-        done = seq.prompt_len + detok.num_outputs
-        if done < len(seq.token_ids):
-            state.text += detok.step(seq.token_ids[done:])
-
-
-def _end(seq: Sequence, state: SeqState, status: SequenceStatus) -> SequenceStatus:
-    if state.detok is not None:
-        sync_text(seq, state)
-        state.text += state.detok.flush()  # a dangling partial character, if any
-    return status
-
-
-def visible_text(params: SamplingParams, state: SeqState, finished: bool) -> str:
-    """The text a stream may show: while running, a tail that could still begin a stop string is held back."""
-    text = state.text
-    if finished or not params.stop:
-        return text
-    hold = 0
-    for stop in params.stop:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return text[: len(text) - hold] if hold else text
-
-
-def completion(params: SamplingParams, seq: Sequence, state: SeqState, index: int) -> CompletionOutput:
-    """A snapshot of one sequence as vLLM's CompletionOutput (lists copied: the state keeps growing)."""
-    finished = seq.status.is_finished
-    sync_text(seq, state)
-    return CompletionOutput(
-        index=index,
-        text=visible_text(params, state, finished),
-        token_ids=seq.token_ids[seq.prompt_len :],
-        cumulative_logprob=state.cumulative_logprob if params.logprobs is not None else None,
-        logprobs=list(state.logprobs) if state.logprobs is not None else None,
-        finish_reason=FINISH_REASON.get(seq.status),
-        stop_reason=state.stop_reason,
-    )
 
 
 def prompt_logprob_entries(
@@ -203,7 +157,9 @@ class OutputProcessor:
             # A complete grammar ends the output ("stop", even at max_tokens). Not a beam: it becomes a
             # hypothesis by its stop token, which is then all the grammar allows.
             if matcher.is_stopped() and not req.params.use_beam_search:
-                status = status if status is not None else _end(seq, state, SequenceStatus.FINISHED_STOPPED)
+                status = (
+                    status if status is not None else end_text(seq, state, SequenceStatus.FINISHED_STOPPED)
+                )
                 status = SequenceStatus.FINISHED_STOPPED
         return status
 

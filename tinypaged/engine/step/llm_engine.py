@@ -19,17 +19,17 @@ from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tinypaged.engine.beam_search import BeamSearch
-from tinypaged.engine.executor import Executor
-from tinypaged.engine.inputs import InputProcessor
-from tinypaged.engine.model_runner import ExecuteOutput
-from tinypaged.engine.output_processor import GrammarError, OutputProcessor
-from tinypaged.engine.parallel_sampling import ParallelSampling
-from tinypaged.engine.queued_step import QueuedStep, StepError
+from tinypaged.engine.device.executor import Executor
+from tinypaged.engine.device.model_runner import ExecuteOutput
 from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
-from tinypaged.engine.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
-from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
-from tinypaged.engine.structured import GrammarCompiler, bitmask_width, first_line, wait
+from tinypaged.engine.sampling.beam_search import BeamSearch
+from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
+from tinypaged.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
+from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width, first_line, wait
+from tinypaged.engine.step.inputs import InputProcessor
+from tinypaged.engine.step.output_processor import GrammarError, OutputProcessor
+from tinypaged.engine.step.queued_step import QueuedStep, StepError
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from tinypaged.core.sequence import Sequence
-from tinypaged.engine.output_processor import completion
-from tinypaged.engine.request import Draw, Extend, Fork, Plan, Request
-from tinypaged.engine.sampler import has_penalty, seq_seed
+from tinypaged.engine.request import Draw, Extend, Fork, Plan, Request, completion
+from tinypaged.engine.sampling.sampler import has_penalty, seq_seed
 from tinypaged.outputs import CompletionOutput
 from tinypaged.sampling_params import SamplingParams
 

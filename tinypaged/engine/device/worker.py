@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from tinypaged.engine.distributed import (
+from tinypaged.engine.device.distributed import (
     Heartbeat,
     Membership,
     PromptLogits,
@@ -31,7 +31,7 @@ from tinypaged.engine.distributed import (
     rank_device,
     read_config,
 )
-from tinypaged.engine.model_runner import ModelRunner
+from tinypaged.engine.device.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def run_worker(rendezvous: Rendezvous, rank: int, local_rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tinypaged.engine.worker --rank R` (what `tinypaged worker` runs)."""
+    """`python -m tinypaged.engine.device.worker --rank R` (what `tinypaged worker` runs)."""
     ap = argparse.ArgumentParser(description="a tensor-parallel worker (MASTER_ADDR, MASTER_PORT: rank 0's)")
     ap.add_argument(
         "--rank", type=int, required=True, help="this worker's rank, 1 .. tensor_parallel_size - 1"

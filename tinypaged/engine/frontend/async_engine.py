@@ -20,14 +20,14 @@ from dataclasses import replace
 
 from tinypaged import limits
 from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
-from tinypaged.engine.client import check_serving
-from tinypaged.engine.liveness import Watchdog, stall_message
-from tinypaged.engine.llm_engine import LLMEngine
-from tinypaged.engine.queued_step import StepError
+from tinypaged.engine.frontend.client import check_serving
+from tinypaged.engine.frontend.liveness import Watchdog, stall_message
+from tinypaged.engine.frontend.streams import Streams
 from tinypaged.engine.request import EngineRequest, Prompt
-from tinypaged.engine.stats import EngineSnapshot, EngineStats, StepResult, StepStats
-from tinypaged.engine.streams import Streams
-from tinypaged.engine.structured import wait
+from tinypaged.engine.sampling.structured import wait
+from tinypaged.engine.step.llm_engine import LLMEngine
+from tinypaged.engine.step.queued_step import StepError
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepResult, StepStats
 from tinypaged.errors import EngineDeadError, EngineError, RequestError
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
