@@ -69,7 +69,8 @@ class Budget:
         """The parts that are folders: the top-level files and every folder of tests/ that holds test files,
         whether it has a budget or not (one without is over its budget of 0)."""
         tests = self.config.rootpath / "tests"
-        found = {f"tests/{d.name}" for d in tests.iterdir() if d.is_dir() and self._test_files(d)}
+        folders = tests.iterdir() if tests.is_dir() else []
+        found = {f"tests/{d.name}" for d in folders if d.is_dir() and self._test_files(d)}
         return ["tests", *sorted(found | {p for p in self.budgets if p not in (FUZZ, WHOLE, "tests")})]
 
     def _test_files(self, folder: Path) -> set[Path]:
@@ -108,7 +109,7 @@ class Budget:
     # Whether this session was a whole one, part by part.
     def _complete(self, session: pytest.Session) -> set[str]:
         """The folders whose every test file was collected whole in this session."""
-        if session.shouldstop or session.shouldfail:
+        if session.shouldstop or session.shouldfail or session.exitstatus not in (0, 1):
             self.partial.append("the session stopped early")
         if any("::" in arg for arg in self.config.args):
             self.partial.append("tests named one by one")
@@ -151,7 +152,7 @@ class Budget:
         judged = all(s["whole"] for s in sessions) and not missing
         seconds[WHOLE] = sum(s["wall_s"] for s in sessions)
         parts = {}
-        for part in [*self.folders, FUZZ, *sorted(set(seconds) - set(self.budgets)), WHOLE]:
+        for part in dict.fromkeys([*self.folders, FUZZ, *sorted(set(seconds) - {WHOLE}), WHOLE]):
             budget = self.budgets.get(part, 0.0) * self.scale
             t = seconds.get(part, 0.0)
             parts[part] = {

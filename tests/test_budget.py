@@ -5,6 +5,8 @@ session with a clear line when a part or the whole is over."""
 from __future__ import annotations
 
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +102,10 @@ def test_two_sessions_are_judged_together(pytester, project) -> None:
     # A new whole run replaces the file: an older run's sessions are not summed with it.
     _run(pytester, "tests", "--budget-json=t.json")
     assert len(json.loads((pytester.path / "t.json").read_text())["sessions"]) == 1
+
+
+def test_the_parts_fit_in_the_whole_and_the_whole_in_40_minutes() -> None:
+    budgets = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["tinypaged"]
+    table = dict(budgets["test-budgets"])
+    whole = table.pop("whole")
+    assert sum(table.values()) <= whole <= 40 * 60, table
