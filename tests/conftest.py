@@ -12,6 +12,9 @@ import torch
 
 from tinypaged.model import AttentionMetadata
 
+# The suite's time budget, part by part (tests/_budget.py; the budgets: pyproject.toml).
+pytest_plugins = ["_budget"]
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:

@@ -13,6 +13,7 @@ import msgspec
 
 from tinypaged.server import formatting as fmt
 from tinypaged.server import protocol as p
+from tinypaged.server.messages import FunctionCall, NamedToolChoice, ToolCall
 from tinypaged.server.responses import ChoiceDelta, respond
 from tinypaged.server.serving import APIError, OpenAIServing, TokenizedPrompt
 from tinypaged.server.tools import Call, CallParser, check_tools, tool_grammar
@@ -77,7 +78,7 @@ class ChatFormat:
             head, calls = parser.feed(d.text)
             rest, more = parser.finish()
             content, calls = (head + rest) or None, calls + more
-        tool_calls = [p.ToolCall(id=c.id, function=p.FunctionCall(c.name, c.arguments)) for c in calls]
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls]
         return p.ChatChoice(
             index=d.index,
             message=p.ChatResponseMessage(content=content, tool_calls=tool_calls),
@@ -158,7 +159,7 @@ async def create_chat_completion(
     )
     await serving.compile_grammar(params, param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    named = req.tool_choice.function.name if isinstance(req.tool_choice, p.NamedToolChoice) else None
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     formatter = ChatFormat(rid, serving.model_name, top, serving.tokenizer, mode, named)
     outputs = serving.generate(rid, [prompt], [params], prompt_param="messages")
     return await respond(outputs, req, [params], formatter)

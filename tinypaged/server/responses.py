@@ -17,7 +17,8 @@ import msgspec
 from tinypaged.outputs import CompletionOutput, Logprob, RequestOutput
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.server import protocol as p
-from tinypaged.server.serving import APIError, final_only, internal_error
+from tinypaged.server.errors import APIError, internal_error
+from tinypaged.server.serving import final_only
 
 _encoder = msgspec.json.Encoder()
 

@@ -1,5 +1,5 @@
 """What the OpenAI endpoints share: the HTTP API's own checks, requests to SamplingParams, the engine's
-streams (the engine's refusals as 400s), tokenize.
+streams (its refusals as 400s: errors.py), tokenize.
 
 Nothing in the server's endpoint modules knows aiohttp: an endpoint returns a response Struct, or an async
 iterator of SSE event bytes whose first item comes after the request's first step (so a request that fails
@@ -27,7 +27,9 @@ from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tinypaged.server import protocol as p
 from tinypaged.server.body import loads
-from tinypaged.server.errors import APIError
+from tinypaged.server.chat_template import template_message
+from tinypaged.server.errors import APIError, engine_unavailable, internal_error, request_error
+from tinypaged.server.messages import ChatMessage
 from tinypaged.server.metrics import ServerMetrics
 
 _LONG_TEXT = 8192  # tokenize texts longer than this (characters) in a thread, off the event loop
@@ -43,30 +45,6 @@ def model_path(config: EngineConfig) -> Path:
 def vocab_size(config: EngineConfig) -> int:
     """The number of token ids the model knows."""
     return config.model_config.vocab_size
-
-
-def internal_error(request_id: str, reason: str) -> APIError:
-    """A failure inside the engine, as the client sees it: the request's id, never the fault's text."""
-    return APIError(
-        500,
-        f"The server failed to complete request {request_id}: {reason}. It was logged; please retry.",
-        type="server_error",
-        code="internal_error",
-    )
-
-
-def engine_unavailable(e: EngineDeadError) -> APIError:
-    """The engine has stopped (e.g. a tensor-parallel worker died): 503 until it is restarted."""
-    return APIError(
-        503, f"The server cannot serve requests: {e}.", type="server_error", code="engine_unavailable"
-    )
-
-
-def request_error(e: RequestError, prompt_param: str = "prompt") -> APIError:
-    """The engine's verdict on a request as a 400 with its param and code; the engine's "prompt" is named as
-    the endpoint names it (chat: "messages")."""
-    param = prompt_param if e.param == "prompt" else e.param
-    return APIError(400, str(e), param=param, code=e.code)
 
 
 @dataclass
@@ -353,13 +331,13 @@ class OpenAIServing:
 
     async def render_chat(
         self,
-        messages: list[p.ChatMessage],
+        messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat template applied to the messages, and to the tools as HF passes them (400 if the template
         rejects them)."""
-        dicts = [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        dicts = [template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
         # Rendering holds the GIL: a chat surely past the context (each message is at least a token, and no
         # token is longer than max_token_chars) is refused by its size, unrendered.
         chars = sum(len(d["content"]) for d in dicts)
@@ -417,48 +395,6 @@ class OpenAIServing:
                 )
             ]
         )
-
-
-def _template_message(m: p.ChatMessage, where: str) -> dict[str, Any]:
-    """One message as chat templates read it: its role, its content as text, and its tool fields when given.
-    Here too the HTTP API's rules that the schema cannot say: an assistant message without content must carry
-    tool or function calls, and a text-only model serves only text parts (and an assistant's refusals)."""
-    role = m.__struct_config__.tag
-    content = m.content
-    if content is None and isinstance(m, p.AssistantMessage) and not (m.tool_calls or m.function_call):
-        raise APIError(
-            400,
-            f"{where}: an assistant message needs `content` unless it has `tool_calls` or `function_call`.",
-            param=f"{where}.content",
-        )
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if isinstance(part, p.TextPart | p.RefusalPart):
-                texts.append(part.text if isinstance(part, p.TextPart) else part.refusal)
-            else:
-                raise APIError(
-                    400,
-                    f"{where}.content[{j}]: `{part.__struct_config__.tag}` parts are not supported; this server "
-                    "serves a text-only model.",
-                    param=f"{where}.content[{j}].type",
-                )
-        content = "\n".join(texts)
-    out: dict[str, Any] = {"role": role, "content": content or ""}
-    for key in ("name", "tool_call_id", "tool_calls", "function_call"):
-        value = getattr(m, key, None)
-        if value is not None:
-            out[key] = msgspec.to_builtins(value)
-    for k, call in enumerate(out.get("tool_calls", [])):
-        # Templates (Llama 3.1's, Qwen's, ...) write a call's arguments with `tojson`: a mapping, as HF and vLLM
-        # hand them; arguments that are not a JSON object stay the string they were.
-        try:
-            args = loads(call["function"]["arguments"], f"{where}.tool_calls[{k}].function.arguments")
-        except ValueError:
-            continue
-        if isinstance(args, dict):
-            call["function"]["arguments"] = args
-    return out
 
 
 async def merge(

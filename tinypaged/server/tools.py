@@ -22,8 +22,8 @@ from typing import Any
 
 from tinypaged.errors import RequestError
 from tinypaged.sampling_params import StructuredOutputsParams
-from tinypaged.server import protocol as p
 from tinypaged.server.errors import APIError
+from tinypaged.server.messages import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _decoder = json.JSONDecoder()
@@ -38,7 +38,7 @@ class Call:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
-def check_tools(tools: list[p.Tool] | None, choice: p.ToolChoice | None) -> str:
+def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> str:
     """The tool mode: "none", "auto", "required" or "named" (400s for choices that name what is not there,
     and for a function whose parameter schema is past the limits a `response_format` schema is held to)."""
     if not tools:
@@ -72,13 +72,13 @@ def _check_schema(schema: dict[str, Any], param: str) -> None:
 
 
 def tool_grammar(
-    tools: list[p.Tool], mode: str, choice: p.ToolChoice | None, parallel: bool
+    tools: list[Tool], mode: str, choice: ToolChoice | None, parallel: bool
 ) -> tuple[StructuredOutputsParams, str] | None:
     """The constraint a tool mode puts on the output, with the request parameter it comes from (None for
     "auto" and "none": the model writes freely); 400 naming `tools` for a "required" constraint past the
     limits together."""
     if mode == "named":
-        assert isinstance(choice, p.NamedToolChoice)
+        assert isinstance(choice, NamedToolChoice)
         i, fn = next((i, t.function) for i, t in enumerate(tools) if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=_parameters(fn)), f"tools[{i}].function.parameters"
     if mode != "required":
@@ -101,7 +101,7 @@ def tool_grammar(
         raise APIError(400, f'tool_choice "required" over all the tools: {e}', param="tools") from e
 
 
-def _parameters(fn: p.FunctionDefinition) -> dict[str, Any]:
+def _parameters(fn: FunctionDefinition) -> dict[str, Any]:
     """A function's parameter schema; none means it takes no arguments (OpenAI's reading)."""
     return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
 
