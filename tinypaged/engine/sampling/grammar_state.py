@@ -40,6 +40,14 @@ class GrammarState:
 
     # ---- admission ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def check(grammar: Future[LLMatcher]) -> None:
+        """Raise the RequestError of a grammar already known to be bad (its spec at fault)."""
+        if grammar.done() and not grammar.cancelled():
+            error = grammar.exception()
+            if isinstance(error, RequestError):
+                raise error
+
     def admit(self, req: Request, grammar: Future[LLMatcher]) -> bool:
         """Start a request on its grammar: True if its matcher is built (schedule it now); else it waits here
         for the compile (`compiled`)."""

@@ -34,6 +34,7 @@ from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+UNUSABLE = "no usable next-token distribution: every token is banned, or the logits are not finite"
 
 
 class LLMEngine:
@@ -109,10 +110,8 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         grammar = request.grammar
-        if grammar is not None and grammar.done() and not grammar.cancelled():
-            error = grammar.exception()
-            if isinstance(error, RequestError):
-                raise error
+        if grammar is not None:
+            GrammarState.check(grammar)
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
         # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
@@ -229,7 +228,8 @@ class LLMEngine:
             self.scheduler.update_from_output(sched)
             timer.executed()
             if prev is not None and prev.constrained:  # this step's masks start from the last step's tokens
-                self._apply_step(prev, outputs, applied, timer)
+                self._apply_step(prev, outputs, applied)
+                timer.applied_early()
             queued = self._sample(index, sched, executed, outputs) if executed is not None else None
             timer.sampled()
             if prev is not None and not applied:  # the last step's tokens, while this step runs on the device
@@ -248,20 +248,10 @@ class LLMEngine:
         stats = StepStats.of(index, sched, graph, queued, applied, outputs, timer, preempted_pending, *kv)
         return StepResult(outputs, stats)
 
-    def _apply_step(
-        self,
-        step: QueuedStep,
-        outputs: list[RequestOutput],
-        applied: list[QueuedStep],
-        timer: StepTimer | None = None,
-    ) -> None:
-        """Apply a queued step's tokens (`_update`): its outputs into `outputs`, the step into `applied`. With
-        `timer`: before this step's sampling (the host waits for the tokens while the device runs this step's
-        forward pass, then fills the masks from them)."""
+    def _apply_step(self, step: QueuedStep, outputs: list[RequestOutput], applied: list[QueuedStep]) -> None:
+        """Apply a queued step's tokens (`_update`): its outputs into `outputs`, the step into `applied`."""
         outputs += self._update(step)
         applied.append(step)
-        if timer is not None:
-            timer.applied_early()
 
     def _step_failed(
         self,
@@ -403,10 +393,7 @@ class LLMEngine:
             if self._requests.get(req.request_id) is not req:
                 continue  # aborted while the step was in flight: abort_request reported it
             if req in invalid:
-                message = (
-                    "no usable next-token distribution: every token is banned, or the logits are not finite"
-                )
-                outputs += self._fail_request(req, message, step.index, fault=False)
+                outputs += self._fail_request(req, UNUSABLE, step.index, fault=False)
                 continue
             try:
                 self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
