@@ -7,35 +7,34 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Literal, NoReturn
 
 import torch
-from llguidance import LLMatcher
 
-from tinypaged import limits, ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.device.executor import Executor
 from tinypaged.engine.device.model_runner import ExecuteOutput
-from tinypaged.engine.request import Draw, EngineRequest, Fork, Plan, Prompt, Request
+from tinypaged.engine.request import EngineRequest, Fork, Plan, Prompt, Request
 from tinypaged.engine.sampling.beam_search import BeamSearch
+from tinypaged.engine.sampling.draw_batch import DrawBatch
+from tinypaged.engine.sampling.grammar_state import GrammarState
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
-from tinypaged.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
-from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width, first_line, wait
+from tinypaged.engine.sampling.sampler import Sampler
+from tinypaged.engine.sampling.structured import GrammarCompiler
 from tinypaged.engine.step.inputs import InputProcessor
 from tinypaged.engine.step.output_processor import GrammarError, OutputProcessor
 from tinypaged.engine.step.queued_step import QueuedStep, StepError
-from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepResult, StepStats
+from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepResult, StepStats, StepTimer
 from tinypaged.errors import EngineDeadError, RequestError
 from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+UNUSABLE = "no usable next-token distribution: every token is banned, or the logits are not finite"
 
 
 class LLMEngine:
@@ -86,13 +85,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._num_steps = 0
         self._inflight: QueuedStep | None = None  # a deferred step, applied during the next one
-        # Requests waiting for their grammar to compile (in the grammar pool), with their compile deadline: the
-        # scheduler sees them once it is ready, and the other requests run meanwhile.
-        self._compiling: dict[str, tuple[Request, Future[LLMatcher], float]] = {}
-        # Ids of the requests that follow a grammar, so that a step without any skips the masking entirely;
-        # pruned each step of those that ended.
-        self._constrained: set[str] = set()
-        self._mask_s = 0.0  # this step's host time filling token masks (llguidance)
+        # Requests waiting for their grammar to compile, and those that follow one (their token masks).
+        self.grammar_state = GrammarState(self.grammars)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # What exists now (the model's modules, the block pool, imported libraries: some 300k objects) lives as
@@ -116,10 +110,8 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         grammar = request.grammar
-        if grammar is not None and grammar.done() and not grammar.cancelled():
-            error = grammar.exception()
-            if isinstance(error, RequestError):
-                raise error
+        if grammar is not None:
+            GrammarState.check(grammar)
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(next(self._seq_ids), ids)
         # A prompt that is scored (prompt_logprobs) runs whole: a prefix-cache hit would skip its tokens.
@@ -134,43 +126,24 @@ class LLMEngine:
         req = Request(group, request.prompt, list(ids), params, strategy, RequestMetrics(group.arrival_time))
         self.output.start(req)
         self._requests[request.request_id] = req
-        if grammar is None:
+        # A request with a grammar still compiling (or failed) waits for it outside the scheduler.
+        if grammar is None or self.grammar_state.admit(req, grammar):
             self.scheduler.add_seq_group(group)
-        elif grammar.done() and not grammar.cancelled() and grammar.exception() is None:
-            self._start_constrained(req, grammar.result())
-        else:
-            deadline = time.monotonic() + limits.GRAMMAR_COMPILE_TIMEOUT_S
-            self._compiling[request.request_id] = (req, grammar, deadline)
 
-    def _start_constrained(self, req: Request, matcher: LLMatcher) -> None:
-        """Hand a request whose matcher is built to the scheduler, its first sequence at the grammar's start."""
-        req.constrained = True
-        req.states[req.group.seqs[0].seq_id].matcher = matcher
-        self._constrained.add(req.request_id)
-        self.scheduler.add_seq_group(req.group)
-
-    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
-        """Requests whose grammar is now compiled go to the scheduler; those whose grammar failed (or ran past
-        the compile time limit) end with the reason. With nothing else to run, wait a little for a compile
-        rather than spin through empty steps."""
-        if not self.scheduler.has_unfinished():
-            pending = [f for _, f, _ in self._compiling.values()]
-            futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
-        now = time.monotonic()
-        for request_id, (req, grammar, deadline) in list(self._compiling.items()):
-            if not grammar.done() and now < deadline:
-                continue
-            del self._compiling[request_id]
-            spec = req.params.structured_outputs
-            try:
-                result = wait(grammar, f"structured_outputs.{spec.kind if spec else ''}", timeout=0)
-            except Exception as e:  # the spec at fault (RequestError), or its compile failed otherwise
-                del self._requests[request_id]
-                req.error, req.error_kind = str(e), "invalid" if isinstance(e, RequestError) else "internal"
-                req.group.seqs[0].status = SequenceStatus.FINISHED_ABORTED
-                outputs.append(self.output.failed(req))
-                continue
-            self._start_constrained(req, result)
+    def _admit(self) -> list[RequestOutput]:
+        """Before a schedule: the tensor-parallel group is alive (EngineDeadError if not); requests whose grammar
+        is now compiled go to the scheduler, those whose grammar failed (or ran past the compile time limit)
+        end with the reason (their outputs). With nothing else to run, wait a little for a compile rather than
+        spin through empty steps."""
+        self.executor.check()
+        if not self.grammar_state.compiling:
+            return []
+        started, failed = self.grammar_state.compiled(idle=not self.scheduler.has_unfinished())
+        for req in started:
+            self.scheduler.add_seq_group(req.group)
+        for req in failed:
+            del self._requests[req.request_id]
+        return [self.output.failed(req) for req in failed]
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Check and queue a request (RequestError if it cannot run)."""
@@ -189,8 +162,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        if self._compiling.pop(request_id, None) is not None:
-            req.group.seqs[0].status = SequenceStatus.FINISHED_ABORTED  # never scheduled
+        self.grammar_state.abort(request_id)  # if still compiling: never scheduled
         self.scheduler.abort_seq_group(request_id)
         if not self._requests:
             self._inflight = None  # nothing left that its tokens could go to
@@ -207,28 +179,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Queue lengths, cache usage and counters right now."""
-        kv, sched = self.kv, self.scheduler
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting + len(self._compiling),
-            num_waiting_seqs=sum(
-                req.params.num_seqs for g in list(sched.waiting) if (req := self._requests.get(g.request_id))
-            )
-            + sum(req.params.num_seqs for req, _, _ in list(self._compiling.values())),
-            num_swapped=sched.num_swapped,
-            gpu_cache_usage=kv.gpu_usage,
-            cpu_cache_usage=1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
-            num_gpu_blocks=kv.num_gpu_blocks,
-            num_free_gpu_blocks=kv.num_free_gpu_blocks,
-            num_cpu_blocks=kv.num_cpu_blocks,
-            num_free_cpu_blocks=kv.num_free_cpu_blocks,
-            num_preemptions=sched.num_preemptions,
-            num_steps=self._num_steps,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries_total=kv.num_prefix_queried_blocks,
-            prefix_cache_hits_total=kv.num_prefix_hit_blocks,
-        )
+        counters = self._num_steps, self.prompt_tokens_total, self.generation_tokens_total
+        compiling = self.grammar_state.num_waiting()
+        return EngineStats.of(self.scheduler, self.kv, self._requests, compiling, counters)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
@@ -260,94 +213,75 @@ class LLMEngine:
         deferred one) are aborted and StepError says which; if the tensor-parallel group has failed, every
         request is aborted and EngineDeadError says why.
         """
-        t0 = time.perf_counter()
-        index = self._num_steps
-        self._num_steps += 1
-        prev, self._inflight = self._inflight, None
+        timer, index, prev = StepTimer(), self._num_steps, self._inflight
+        self._num_steps, self._inflight = index + 1, None
         outputs: list[RequestOutput] = []
-        applied: list[QueuedStep] = []
+        applied: list[QueuedStep] = []  # the steps whose tokens this call applies, in order
         sched: SchedulerOutput | None = None
-        self._mask_s = 0.0
         try:
-            self.executor.check()
-            if self._compiling:
-                self._admit_compiled(outputs)
+            outputs += self._admit()
             sched = self.scheduler.schedule()
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
-            t1 = time.perf_counter()
+            timer.scheduled()
             executed = self._execute(index, sched, prev, outputs)
             self.scheduler.update_from_output(sched)
-            t2 = early = time.perf_counter()
-            if prev is not None and prev.constrained:
-                # This step's token masks start from the last step's tokens: apply them first (the host waits
-                # for them while the device runs this step's forward pass), then fill the masks.
-                outputs += self._update(prev)
-                applied.append(prev)
-                prev = None
-                early = time.perf_counter()
+            timer.executed()
+            if prev is not None and prev.constrained:  # this step's masks start from the last step's tokens
+                self._apply_step(prev, outputs, applied)
+                timer.applied_early()
             queued = self._sample(index, sched, executed, outputs) if executed is not None else None
-            t3 = time.perf_counter()
-            if prev is not None:  # the last step's tokens, while this step runs on the device
-                outputs += self._update(prev)
-                applied.append(prev)
-                prev = None
+            timer.sampled()
+            if prev is not None and not applied:  # the last step's tokens, while this step runs on the device
+                self._apply_step(prev, outputs, applied)
             if queued is not None and queued.deferred:
                 self._inflight = queued
             elif queued is not None:
-                outputs += self._update(queued)
-                applied.append(queued)
+                self._apply_step(queued, outputs, applied)
         except Exception as e:
-            if isinstance(e, EngineDeadError) or self.executor.failure is not None:
-                self.abort_all()  # no rank can run them any more
-                raise e if isinstance(e, EngineDeadError) else EngineDeadError(self.executor.failure) from e
-            # Not one request's fault (the schedule or the batch's forward pass): fail what the step touched.
-            logger.exception("engine step %d failed", index)
-            failed = self._fail_step(sched, prev)
-            raise StepError(f"engine step {index} failed (an internal error, logged)", failed, outputs) from e
+            self._step_failed(e, index, sched, prev if prev not in applied else None, outputs)
         if not self._requests:
             self._inflight = None
-        t4 = time.perf_counter()
-        decode = partial = 0
-        for s in sched.scheduled:
-            decode += s.num_new_tokens == 1 and s.do_sample
-            partial += not s.do_sample
-        stats = StepStats(
-            step=index,
-            num_seqs=len(sched.scheduled),
-            num_prefill_tokens=sched.num_batched_tokens - decode,
-            num_decode_tokens=decode,
-            num_partial_prefills=partial,
-            num_draws=queued.num_draws if queued is not None else 0,
-            num_constrained=queued.num_constrained if queued is not None else 0,
-            graph_batch_size=executed.graph.batch_size if executed is not None else 0,
-            graph_num_tokens=executed.graph.num_tokens if executed is not None else 0,
-            num_preempted=len(sched.preempted),
-            num_preempted_pending=preempted_pending,
-            num_blocks_swapped_out=len(sched.blocks_to_swap_out),
-            num_blocks_swapped_in=len(sched.blocks_to_swap_in),
-            num_blocks_copied=len(sched.blocks_to_copy),
-            num_ignored=len(sched.ignored),
-            num_finished=sum(1 for o in outputs if o.finished),
-            deferred=queued is not None and queued.deferred,
-            applied_steps=tuple(s.index for s in applied),
-            num_free_blocks=self.kv.num_free_gpu_blocks,
-            num_kv_tokens=sum(
-                s.num_computed_tokens
-                for g in self.scheduler.running
-                for s in g.seqs
-                if not s.status.is_finished
-            ),
-            schedule_s=t1 - t0,
-            execute_s=t2 - t1,
-            sample_s=t3 - early,
-            mask_s=self._mask_s,
-            update_s=t4 - t3 + early - t2,
-            wait_s=sum(s.wait_s for s in applied),
-            total_s=t4 - t0,
-            device_s=tuple(s.device_s for s in applied if s.device_s is not None),
-        )
+        timer.stop()
+        graph = executed.graph if executed is not None else None
+        kv = self.kv.num_free_gpu_blocks, self.scheduler.running  # as the step leaves them
+        stats = StepStats.of(index, sched, graph, queued, applied, outputs, timer, preempted_pending, *kv)
         return StepResult(outputs, stats)
+
+    def _apply_step(self, step: QueuedStep, outputs: list[RequestOutput], applied: list[QueuedStep]) -> None:
+        """Apply a queued step's tokens (`_update`): its outputs into `outputs`, the step into `applied`."""
+        outputs += self._update(step)
+        applied.append(step)
+
+    def _step_failed(
+        self,
+        e: Exception,
+        index: int,
+        sched: SchedulerOutput | None,
+        prev: QueuedStep | None,
+        outputs: list[RequestOutput],
+    ) -> NoReturn:
+        """Raise for a step that raised `e`: EngineDeadError (every request aborted) if the tensor-parallel
+        group failed; else StepError naming the requests the step touched, aborted: scheduled, swapped out
+        (their copies may be torn), or waiting for the tokens of `prev`, a deferred step not applied."""
+        if isinstance(e, EngineDeadError) or self.executor.failure is not None:
+            self.abort_all()  # no rank can run them any more
+            raise e if isinstance(e, EngineDeadError) else EngineDeadError(self.executor.failure) from e
+        # Not one request's fault (the schedule or the batch's forward pass): fail what the step touched.
+        logger.exception("engine step %d failed", index)
+        ids: dict[str, None] = {}
+        if prev is not None:
+            ids.update(dict.fromkeys(rid for rid in prev.request_ids() if rid in self._requests))
+        if sched is not None:
+            ids.update(dict.fromkeys(s.request_id for s in sched.scheduled))
+            if sched.blocks_to_swap_out:
+                ids.update(dict.fromkeys(sched.preempted))
+        for rid in ids:
+            self._requests.pop(rid, None)
+            self.scheduler.abort_seq_group(rid)
+        if not self._requests:
+            self._inflight = None
+        raise StepError(f"engine step {index} failed (an internal error, logged)", list(ids), outputs) from e
 
     def _num_pending(self, request_ids: tuple[str, ...]) -> int:
         """Sequences of these requests holding a token still pending on the device."""
@@ -383,16 +317,15 @@ class LLMEngine:
         req.error, req.error_kind = message, kind
         return [self.output.failed(req)]
 
+    def _fail_into(self, outputs: list[RequestOutput], message: str, step: int) -> Callable[[Request], None]:
+        """A callback ending a request with `message` (`_fail_request`), its output into `outputs`."""
+        return lambda req: outputs.extend(self._fail_request(req, message, step))
+
     def _grammar_failed(self, req: Request, error: str, step: int) -> list[RequestOutput]:
-        """End a request whose matcher entered llguidance's error state (a limit of its grammar run out, most
-        often its lexer's states): it fails with the reason, never "stop" with a partial output. The lexer was
-        this request's own: the next request with its spec starts on a fresh one."""
+        """End a request whose matcher erred (`GrammarState.failure` says why): it fails with the reason."""
         if self._requests.get(req.request_id) is not req:
             return []  # already ended (another of its sequences failed first)
-        spec = req.params.structured_outputs
-        what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
-        logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)
-        message = f"the output could not follow its {what}: {error}"
+        message = self.grammar_state.failure(req, error, step)
         return self._fail_request(req, message, step, fault=False, kind="invalid")
 
     def _execute(
@@ -423,170 +356,44 @@ class LLMEngine:
         self, index: int, sched: SchedulerOutput, executed: ExecuteOutput, failed: list[RequestOutput]
     ) -> QueuedStep:
         """Queue every draw the requests' strategies ask for, in one sampler pass (and one scoring pass for
-        beam rows); defer the step when async scheduling is on and every draw may stay on the device. A
-        request whose draws cannot be made fails alone (its output into `failed`)."""
-        token: list[tuple[Request, Draw]] = []
-        token_rows: list[SamplingRow] = []
-        token_src: list[int] = []  # the logits row of each draw
-        score: list[tuple[Request, Draw]] = []
-        score_rows: list[SamplingRow] = []
-        score_src: list[int] = []
-        for row, s in enumerate(s for s in sched.scheduled if s.do_sample):
-            req = self._requests.get(s.request_id)
-            seq = self.scheduler.get_seq(s.seq_id)
-            if req is None or seq is None or seq.status != SequenceStatus.RUNNING:
-                continue
-            try:
-                draws = [(d, self._sampling_row(req, seq, d)) for d in req.strategy.draws(req, seq)]
-            except Exception:
-                failed += self._fail_request(req, "preparing its sampling failed", index)
-                continue
-            for draw, sampling_row in draws:
-                lists = (score, score_rows, score_src) if draw.scores else (token, token_rows, token_src)
-                lists[0].append((req, draw))
-                lists[1].append(sampling_row)
-                lists[2].append(row)
+        beam rows), grammars' masks applied first; defer the step when async scheduling is on and every draw
+        may stay on the device. A request whose draws cannot be made fails alone (its output into `failed`)."""
+        fail = self._fail_into(failed, "preparing its sampling failed", index)
+        batch = DrawBatch.collect(sched.scheduled, self._requests, self.scheduler.get_seq, self.eos_ids, fail)
         logits = executed.logits
-        num_failed, num_constrained = len(failed), 0
-        if self._constrained:
-            self._constrained.intersection_update(self._requests)
-            num_constrained = self._mask(index, logits, token + score, token_src + score_src, failed)
-        if len(failed) > num_failed:
-            # Requests that failed while their masks were filled have no draws left.
-            alive = [i for i, (req, _) in enumerate(token) if self._requests.get(req.request_id) is req]
-            if len(alive) < len(token):
-                token = [token[i] for i in alive]
-                token_rows = [token_rows[i] for i in alive]
-                token_src = [token_src[i] for i in alive]
-            alive = [i for i, (req, _) in enumerate(score) if self._requests.get(req.request_id) is req]
-            if len(alive) < len(score):
-                score = [score[i] for i in alive]
-                score_rows = [score_rows[i] for i in alive]
-                score_src = [score_src[i] for i in alive]
-        sampled = scores = None
-        if token:
-            best_of = any(r.params.num_seqs > r.params.n for r in token_rows)  # ranks samples by logprob
-
-            def sample(rows: torch.Tensor, sampling_rows: list[SamplingRow]) -> SampledBatch:
-                return self.sampler.sample(rows, sampling_rows, need_logprobs=best_of)
-
-            sampled, token = self._isolated(sample, logits, token, token_rows, token_src, index, failed)
-        if score:
-            scores, score = self._isolated(
-                self.sampler.beam_logprobs, logits, score, score_rows, score_src, index, failed
+        num_failed, num_constrained, mask_s = len(failed), 0, 0.0
+        if self.grammar_state.constrained:
+            num_constrained, mask_s = self.grammar_state.mask(
+                batch,
+                logits,
+                self._requests,
+                lambda req, error: failed.extend(self._grammar_failed(req, error, index)),
             )
+        if len(failed) > num_failed:
+            batch.drop_ended(self._requests)  # requests that failed while their masks were filled
+        fail = self._fail_into(failed, "sampling its next token failed", index)
+        sampled, scores = batch.sample(self.sampler, logits, fail, index)
+        token, score = batch.token.draws, batch.score.draws
         deferred = self.async_scheduling and all(d.defer for _, d in token + score)
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
-        return QueuedStep(index, token, sampled, score, scores, deferred, executed.events, num_constrained)
-
-    def _mask(
-        self,
-        index: int,
-        logits: torch.Tensor,
-        draws: list[tuple[Request, Draw]],
-        src: list[int],
-        failed: list[RequestOutput],
-    ) -> int:
-        """Structured outputs: set the logits of every token its grammar forbids to -inf, in place, on the rows
-        of the draws that follow one. Returns how many draws do. The masks are filled on the host (in
-        llguidance's threads) while the device runs the forward pass, then uploaded and applied by one op.
-
-        A row's draws share a matcher state (a fork's first draw is its parent's), so each row is filled
-        once. A matcher in an error state, before or after its mask (past one of llguidance's limits: its mask
-        then allows only EOS), fails its request alone (`_grammar_failed`)."""
-        rows: dict[int, Any] = {}  # logits row -> its matcher
-        owners: dict[int, Request] = {}
-        count = 0
-        for (req, draw), row in zip(draws, src, strict=True):
-            if not req.constrained or self._requests.get(req.request_id) is not req:
-                continue
-            matcher = req.states[draw.seq.seq_id].matcher
-            if matcher is None or matcher.is_error():
-                error = first_line(matcher) if matcher is not None else "no matcher"
-                failed += self._grammar_failed(req, error, index)
-                continue
-            rows[row], owners[row] = matcher, req
-            count += 1
-        if not rows:
-            return count
-        cuda = logits.device.type == "cuda"
-        bitmask = torch.empty((len(rows), bitmask_width(logits.shape[1])), dtype=torch.int32, pin_memory=cuda)
-        t0 = time.perf_counter()
-        self.grammars.fill_bitmask(list(rows.values()), bitmask)
-        self._mask_s += time.perf_counter() - t0
-        for row, matcher in rows.items():
-            if matcher.is_error():
-                failed += self._grammar_failed(owners[row], first_line(matcher), index)
-        with torch.inference_mode():  # the logits are the runner's inference tensors, written in place
-            ops.apply_token_bitmask(
-                logits,
-                bitmask.to(logits.device, non_blocking=True),
-                upload(list(rows), torch.int32, logits.device),
-            )
-        return count
-
-    def _isolated(
-        self,
-        run: Callable[[torch.Tensor, list[SamplingRow]], Any],
-        logits: torch.Tensor,
-        draws: list[tuple[Request, Draw]],
-        rows: list[SamplingRow],
-        src: list[int],
-        index: int,
-        failed: list[RequestOutput],
-    ) -> tuple[Any, list[tuple[Request, Draw]]]:
-        """`run` over every row at once; if it raises, find the requests at fault by running each request's
-        rows alone, end them, and run the rest together. Returns the result and the draws it covers."""
-        try:
-            return run(_rows_of(logits, src), rows), draws
-        except Exception:
-            logger.exception("engine step %d: the sampler failed; looking for the requests at fault", index)
-        keep: list[int] = []
-        for req in dict.fromkeys(req for req, _ in draws):
-            mine = [i for i, (r, _) in enumerate(draws) if r is req]
-            try:
-                run(_rows_of(logits, [src[i] for i in mine]), [rows[i] for i in mine])
-            except Exception:
-                failed += self._fail_request(req, "sampling its next token failed", index)
-                continue
-            keep += mine
-        if not keep:
-            return None, []
-        result = run(_rows_of(logits, [src[i] for i in keep]), [rows[i] for i in keep])
-        return result, [draws[i] for i in keep]
-
-    def _sampling_row(self, req: Request, seq: Sequence, draw: Draw) -> SamplingRow:
-        p = req.params
-        num_outputs = seq.num_tokens - seq.prompt_len  # counting tokens pending on the device
-        prompt_ids = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else []
-        output_ids = seq.token_ids[seq.prompt_len :] if has_penalty(p) else []
-        banned = tuple(self.eos_ids | set(p.stop_token_ids)) if num_outputs < p.min_tokens else ()
-        return SamplingRow(p, prompt_ids, output_ids, draw.seed_key, banned, num_outputs)
+        return QueuedStep(
+            index, token, sampled, score, scores, deferred, executed.events, num_constrained, mask_s
+        )
 
     def _update(self, step: QueuedStep) -> list[RequestOutput]:
         """Apply a step's results: each request's strategy plans, the plan is applied, its output built. A
         request whose distribution was unusable, or whose update raises, fails alone."""
-        results, invalid = step.results()
+        by_request, invalid = step.results()
         self.executor.check()  # the results of a step whose group failed meanwhile mean nothing
-        by_request: dict[Request, list[tuple[Draw, Any]]] = {}
-        for req, draw, result in results:
-            items = by_request.get(req)
-            if items is None:
-                by_request[req] = [(draw, result)]
-            else:
-                items.append((draw, result))
         outputs = []
         now = time.monotonic()  # when this step's tokens reach their requests (RequestOutput.metrics)
         for req, items in by_request.items():
             if self._requests.get(req.request_id) is not req:
                 continue  # aborted while the step was in flight: abort_request reported it
             if req in invalid:
-                message = (
-                    "no usable next-token distribution: every token is banned, or the logits are not finite"
-                )
-                outputs += self._fail_request(req, message, step.index, fault=False)
+                outputs += self._fail_request(req, UNUSABLE, step.index, fault=False)
                 continue
             try:
                 self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
@@ -639,27 +446,3 @@ class LLMEngine:
         else:
             seq.append_token(token)
         self.generation_tokens_total += 1
-
-    def _fail_step(self, sched: SchedulerOutput | None, prev: QueuedStep | None) -> list[str]:
-        """Abort the requests a failed step touched: scheduled, swapped out (their copies may be torn), or
-        waiting for the tokens of a deferred step that was not applied."""
-        ids: dict[str, None] = {}
-        if prev is not None:
-            ids.update(dict.fromkeys(rid for rid in prev.request_ids() if rid in self._requests))
-        if sched is not None:
-            ids.update(dict.fromkeys(s.request_id for s in sched.scheduled))
-            if sched.blocks_to_swap_out:
-                ids.update(dict.fromkeys(sched.preempted))
-        for rid in ids:
-            self._requests.pop(rid, None)
-            self.scheduler.abort_seq_group(rid)
-        if not self._requests:
-            self._inflight = None
-        return list(ids)
-
-
-def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The given rows of the step's logits (the whole tensor when they are all of them, in order)."""
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits[upload(rows, torch.int64, logits.device)]

@@ -38,6 +38,7 @@ class QueuedStep:
     deferred: bool
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the forward pass (runner.time_device)
     num_constrained: int = 0  # draws that follow a grammar (their logits rows masked)
+    mask_s: float = 0.0  # host time filling their token masks
     wait_s: float = 0.0
     device_s: float | None = None
 
@@ -63,9 +64,10 @@ class QueuedStep:
             self.sampled.token_ids, {d.seq.seq_id: i for i, (_, d) in enumerate(self.token_draws)}
         )
 
-    def results(self) -> tuple[list[tuple[Request, Draw, Any]], set[Request]]:
-        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host; and
-        the requests with a draw whose distribution was unusable (NaN, infinities, or every token banned)."""
+    def results(self) -> tuple[dict[Request, list[tuple[Draw, Any]]], set[Request]]:
+        """Every draw with its result (a TokenSample, or a log-probability row), once they reach the host, by
+        request in the order of their first draw; and the requests with a draw whose distribution was unusable
+        (NaN, infinities, or every token banned)."""
         t0 = time.perf_counter()
         out: list[tuple[Request, Draw, Any]] = []
         invalid: set[Request] = set()
@@ -84,4 +86,11 @@ class QueuedStep:
             self.events[1].synchronize()
             self.device_s = self.events[0].elapsed_time(self.events[1]) / 1e3
         self.wait_s = time.perf_counter() - t0
-        return out, invalid
+        by_request: dict[Request, list[tuple[Draw, Any]]] = {}
+        for req, draw, value in out:
+            items = by_request.get(req)
+            if items is None:
+                by_request[req] = [(draw, value)]
+            else:
+                items.append((draw, value))
+        return by_request, invalid

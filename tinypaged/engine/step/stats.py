@@ -3,10 +3,51 @@ metrics, benchmarks and tests read these instead of reaching into the engine."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tinypaged.core.kv_cache_manager import CacheSnapshot
 from tinypaged.outputs import RequestOutput
+
+if TYPE_CHECKING:  # no torch at import: the server reads these
+    from tinypaged.core.kv_cache_manager import KVCacheManager
+    from tinypaged.core.scheduler import Scheduler, SchedulerOutput
+    from tinypaged.core.sequence import SequenceGroup
+    from tinypaged.engine.device.model_runner import GraphChoice
+    from tinypaged.engine.request import Request
+    from tinypaged.engine.step.queued_step import QueuedStep
+
+
+class StepTimer:
+    """Where a step's phases begin and end (time.perf_counter()): started with the step, marked as it goes."""
+
+    __slots__ = ("start", "schedule_end", "execute_end", "sample_start", "sample_end", "end")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.schedule_end = self.execute_end = self.sample_start = self.sample_end = self.end = self.start
+
+    def scheduled(self) -> None:
+        """The schedule is made (grammars admitted, ignored requests ended)."""
+        self.schedule_end = time.perf_counter()
+
+    def executed(self) -> None:
+        """The forward pass is queued; sampling starts now unless the last step's tokens are applied first."""
+        self.execute_end = self.sample_start = time.perf_counter()
+
+    def applied_early(self) -> None:
+        """The last step's tokens were applied before sampling (the token masks start from them)."""
+        self.sample_start = time.perf_counter()
+
+    def sampled(self) -> None:
+        """The sampling pass is queued."""
+        self.sample_end = time.perf_counter()
+
+    def stop(self) -> None:
+        """Every token of the step is applied."""
+        self.end = time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -47,6 +88,61 @@ class StepStats:
     # Device time of each applied step's forward pass, when `ModelRunner.time_device` is on (CUDA only).
     device_s: tuple[float, ...] = ()
 
+    @classmethod
+    def of(
+        cls,
+        index: int,
+        sched: SchedulerOutput,
+        graph: GraphChoice | None,
+        queued: QueuedStep | None,
+        applied: list[QueuedStep],
+        outputs: list[RequestOutput],
+        timer: StepTimer,
+        num_preempted_pending: int,
+        num_free_blocks: int,
+        running: Iterable[SequenceGroup],
+    ) -> StepStats:
+        """A finished step's statistics: its schedule, the graph its forward pass replayed (None: it ran no
+        forward pass), the step it queued, the steps it applied, its outputs, its timer, and after it the
+        sequences preempted with a pending token, the free KV blocks and the running groups."""
+        decode = partial = 0
+        for s in sched.scheduled:
+            decode += s.num_new_tokens == 1 and s.do_sample
+            partial += not s.do_sample
+        t = timer
+        return cls(
+            step=index,
+            num_seqs=len(sched.scheduled),
+            num_prefill_tokens=sched.num_batched_tokens - decode,
+            num_decode_tokens=decode,
+            num_partial_prefills=partial,
+            num_draws=queued.num_draws if queued is not None else 0,
+            num_constrained=queued.num_constrained if queued is not None else 0,
+            graph_batch_size=graph.batch_size if graph is not None else 0,
+            graph_num_tokens=graph.num_tokens if graph is not None else 0,
+            num_preempted=len(sched.preempted),
+            num_preempted_pending=num_preempted_pending,
+            num_blocks_swapped_out=len(sched.blocks_to_swap_out),
+            num_blocks_swapped_in=len(sched.blocks_to_swap_in),
+            num_blocks_copied=len(sched.blocks_to_copy),
+            num_ignored=len(sched.ignored),
+            num_finished=sum(1 for o in outputs if o.finished),
+            deferred=queued is not None and queued.deferred,
+            applied_steps=tuple(s.index for s in applied),
+            num_free_blocks=num_free_blocks,
+            num_kv_tokens=sum(
+                s.num_computed_tokens for g in running for s in g.seqs if not s.status.is_finished
+            ),
+            schedule_s=t.schedule_end - t.start,
+            execute_s=t.execute_end - t.schedule_end,
+            sample_s=t.sample_end - t.sample_start,
+            mask_s=queued.mask_s if queued is not None else 0.0,
+            update_s=t.end - t.sample_end + t.sample_start - t.execute_end,
+            wait_s=sum(s.wait_s for s in applied),
+            total_s=t.end - t.start,
+            device_s=tuple(s.device_s for s in applied if s.device_s is not None),
+        )
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -76,6 +172,40 @@ class EngineStats:
     generation_tokens_total: int  # tokens sampled (beam search: one per live beam per step)
     prefix_cache_queries_total: int  # prompt blocks looked up in the prefix cache (at admission)
     prefix_cache_hits_total: int  # of those, found computed
+
+    @classmethod
+    def of(
+        cls,
+        sched: Scheduler,
+        kv: KVCacheManager,
+        requests: Mapping[str, Request],
+        compiling: tuple[int, int],
+        counters: tuple[int, int, int],
+    ) -> EngineStats:
+        """The engine's load now: its scheduler's queues, its KV cache, its requests by id, the requests waiting
+        for a grammar and their sequences, and its counters (steps, prompt tokens, generated tokens)."""
+        num_steps, prompt_tokens, generation_tokens = counters
+        return cls(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting + compiling[0],
+            num_waiting_seqs=sum(
+                req.params.num_seqs for g in list(sched.waiting) if (req := requests.get(g.request_id))
+            )
+            + compiling[1],
+            num_swapped=sched.num_swapped,
+            gpu_cache_usage=kv.gpu_usage,
+            cpu_cache_usage=1.0 - kv.num_free_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
+            num_gpu_blocks=kv.num_gpu_blocks,
+            num_free_gpu_blocks=kv.num_free_gpu_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            num_preemptions=sched.num_preemptions,
+            num_steps=num_steps,
+            prompt_tokens_total=prompt_tokens,
+            generation_tokens_total=generation_tokens,
+            prefix_cache_queries_total=kv.num_prefix_queried_blocks,
+            prefix_cache_hits_total=kv.num_prefix_hit_blocks,
+        )
 
 
 @dataclass(frozen=True)
