@@ -18,7 +18,7 @@ from typing import Any
 
 from tinypaged.config import STALL_TIMEOUT_S, EngineConfig
 from tinypaged.engine.frontend.client import EngineClient, Sink
-from tinypaged.engine.frontend.liveness import stall_message
+from tinypaged.engine.frontend.liveness import death_message, stall_message
 from tinypaged.engine.request import EngineRequest, Prompt
 from tinypaged.engine.sampling.structured import wait
 from tinypaged.engine.step.llm_engine import LLMEngine
@@ -212,14 +212,8 @@ class StepThread:
                     sink.on_failed(e.request_ids, EngineError(str(e)))
                     sink.on_outputs(e.outputs, None, self._applied)
         except BaseException as e:
-            # Scheduler state is unknown after an error outside a step's model work: fail everything. A failed
-            # tensor-parallel group says what failed (a worker's rank and exit); anything else is logged only.
-            if isinstance(e, EngineDeadError):
-                dead = f"the engine has stopped: {e}"
-                logger.error("engine loop stopped: %s", e)
-            else:
-                dead = "the engine loop stopped (an internal error, logged)"
-                logger.exception("engine loop died")
+            # Scheduler state is unknown after an error outside a step's model work: fail everything.
+            dead = death_message(e, "engine loop")
             if not isinstance(e, _GroupFailed):  # (else a step still runs: it aborts them when it returns)
                 try:
                     engine.abort_all()
