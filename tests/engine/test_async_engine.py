@@ -23,7 +23,7 @@ def aengine(llm: LLM) -> AsyncEngine:
 
 
 def _clean(engine: AsyncEngine) -> None:
-    engine.check_integrity()
+    engine.engine.check_integrity()  # (its loop has stopped: the LLMEngine's own check)
     stats = engine.stats()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert not engine.engine.has_unfinished_requests()
@@ -204,9 +204,9 @@ def test_slow_consumer_gets_merged_outputs(aengine: AsyncEngine, llm: LLM) -> No
 def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
     aengine: AsyncEngine, monkeypatch
 ) -> None:
-    """Snapshots are taken by the loop task, never while a step runs in the worker thread; viewers asking
-    together share one; a viewer gone takes nothing; a failing one fails its viewer only; after shutdown a
-    snapshot is an EngineError."""
+    """Snapshots (and integrity checks) are taken by the loop task, never while a step runs in the worker
+    thread; viewers asking together share one; a viewer gone takes nothing; a failing one fails its viewer only;
+    after shutdown a snapshot is an EngineError."""
     engine = aengine.engine
     in_step = threading.Event()
     taken = []
@@ -228,8 +228,16 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
         taken.append(real_snapshot())
         return taken[-1]
 
+    def check_integrity():  # noqa: ANN202
+        assert not in_step.is_set(), "an integrity check while a step runs"
+        checked.append(True)
+        real_check()
+
+    checked: list[bool] = []
+    real_check = engine.check_integrity
     monkeypatch.setattr(engine, "step", step)
     monkeypatch.setattr(engine, "snapshot", snapshot)
+    monkeypatch.setattr(engine, "check_integrity", check_integrity)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
 
     async def main(seen: list) -> None:
@@ -243,6 +251,7 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
             first, second = await asyncio.gather(aengine.snapshot(), aengine.snapshot())
             assert first is second  # asked together: one snapshot
             seen.append(first)
+            await aengine.check_integrity()  # taken between steps too
             gone = asyncio.create_task(aengine.snapshot())
             await asyncio.sleep(0)
             gone.cancel()  # its viewer left before the loop got to it
@@ -258,6 +267,7 @@ def test_snapshot_is_taken_between_steps_and_fails_once_the_loop_stops(
     seen: list = []
     uvloop.run(main(seen))
     assert len(taken) == 1 + len(seen)  # the idle one, one per pair; a viewer gone costs none
+    assert len(checked) == len(seen)
     _clean(aengine)
 
 

@@ -1,6 +1,8 @@
-"""One real server for the server tests: the aiohttp app over a real AsyncEngine on the default model,
-listening on a free loopback port, its event loop (uvloop) in a background thread so that the tests can use
-blocking clients (the official `openai` one) and still reach into the engine between requests."""
+"""One real server for the server tests: the aiohttp app over the engine client `tinypaged serve` runs (an
+engine core in a process of its own, `ProcessEngine`) on the default model, listening on a free loopback port,
+its event loop (uvloop) in a background thread so that the tests can use blocking clients (the official `openai`
+one) and still ask the engine between requests. A test that patches the engine's own code (which runs in the
+core's process) takes `inproc_server`: the same server over the session's LLMEngine in this process."""
 
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ import openai
 import pytest
 import uvloop
 
+from tinypaged import LLM
 from tinypaged.config import EngineConfig
 from tinypaged.engine.frontend.async_engine import AsyncEngine
+from tinypaged.engine.frontend.client import EngineClient
+from tinypaged.engine.frontend.process_engine import ProcessEngine
 from tinypaged.server.app import SERVING, ServerConfig, start_server, stop_server
 
 API_KEY = "test-key"
@@ -30,7 +35,7 @@ IDLE_TIMEOUT = 4.0  # seconds a connection may go without a complete request
 class LiveServer:
     """A running server and handles on its engine and event loop."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.loop = uvloop.new_event_loop()
         self._ready = threading.Event()
@@ -58,18 +63,18 @@ class LiveServer:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
 
     def wait_idle(self, timeout: float = 60) -> None:
-        """Wait until no request is queued or running and every KV block is free, then check the pool."""
+        """Wait until no request is queued or running and every KV block is free, then check the pool's
+        invariants (between two steps, where the engine runs)."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.call(self.engine.stats)
-            busy = self.call(lambda: self.engine.engine.has_unfinished_requests())
-            if not busy and stats.num_running == stats.num_waiting == stats.num_swapped == 0:
+            if stats.num_running == stats.num_waiting == stats.num_swapped == 0:
                 if stats.num_free_gpu_blocks == stats.num_gpu_blocks:
                     break
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle: {stats}")
             time.sleep(0.05)
-        self.call(self.engine.check_integrity)
+        asyncio.run_coroutine_threadsafe(self.engine.check_integrity(), self.loop).result(timeout)
 
     def close(self) -> None:
         """Drain and stop the server, then its loop (once: a test may close it before its fixture does)."""
@@ -85,7 +90,7 @@ def server(model_dir: Path) -> Iterator[LiveServer]:
     """The server every test in tests/server shares (the model loads once)."""
     config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN)
     live = LiveServer(
-        AsyncEngine(config),
+        ProcessEngine(config),
         ServerConfig(
             host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0, idle_timeout=IDLE_TIMEOUT
         ),
@@ -100,7 +105,7 @@ def small_server(model_dir: Path) -> Iterator[LiveServer]:
     tests that throw many requests at it (the API fuzz)."""
     config = EngineConfig(model=model_dir, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=128)
     live = LiveServer(
-        AsyncEngine(config),
+        ProcessEngine(config),
         ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0, max_queue_len=8),
     )
     yield live
@@ -112,7 +117,20 @@ def tp_server(model_dir: Path) -> Iterator[LiveServer]:
     """A server over the default model split over 3 tensor-parallel ranks (gloo)."""
     config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=3)
     live = LiveServer(
-        AsyncEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
+        ProcessEngine(config), ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0)
+    )
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def inproc_server(llm: LLM) -> Iterator[LiveServer]:
+    """A server over the session's LLMEngine in this process (`AsyncEngine`, `--no-engine-process`), for a test
+    that patches the engine's code; closed after the test, the engine left idle."""
+    assert not llm.engine.has_unfinished_requests()
+    live = LiveServer(
+        AsyncEngine(llm.config, engine=llm.engine),
+        ServerConfig(host="127.0.0.1", port=0, api_key=API_KEY, shutdown_timeout=5.0),
     )
     yield live
     live.close()
@@ -133,7 +151,7 @@ def make_server(model_dir: Path) -> Iterator[Callable[..., LiveServer]]:
     def make(api_key: str | None = None, **engine_args: Any) -> LiveServer:
         config = EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, **engine_args)
         started.append(
-            LiveServer(AsyncEngine(config), ServerConfig(port=0, api_key=api_key, shutdown_timeout=5.0))
+            LiveServer(ProcessEngine(config), ServerConfig(port=0, api_key=api_key, shutdown_timeout=5.0))
         )
         return started[-1]
 

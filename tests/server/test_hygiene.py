@@ -150,7 +150,10 @@ def test_health_stays_fast_while_a_huge_prompt_is_refused(server, monkeypatch, c
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-def test_a_request_failing_inside_the_engine_fails_alone(server, monkeypatch, stream: bool) -> None:
+def test_a_request_failing_inside_the_engine_fails_alone(inproc_server, monkeypatch, stream: bool) -> None:
+    """A sampler fault fails its request alone (a 500, or an error event), the others in its step go on. In
+    this process: the patched sampler must be the one that runs."""
+    server = inproc_server
     real = Sampler.sample
 
     def sample(self, logits, rows, need_logprobs=False):  # noqa: ANN001, ANN202

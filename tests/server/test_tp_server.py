@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tinypaged.server.local import child_processes
 
 CHAT = {
     "messages": [{"role": "user", "content": "What is a page table?"}],
@@ -24,6 +27,16 @@ ECHO = {"prompt": "Paged attention", "max_tokens": 4, "temperature": 0, "echo": 
 def _streamed_text(body: bytes) -> str:
     chunks = [json.loads(e[len(b"data: ") :]) for e in body.strip().split(b"\n\n")[:-1]]
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def _worker_pids(core_pid: int | None) -> dict[int, int]:
+    """The engine core's tensor-parallel workers (its child processes), by rank."""
+    assert core_pid is not None
+    ranks = {}
+    for pid, cmd in child_processes(core_pid):
+        if m := re.search(r"tinypaged\.engine\.device\.worker --rank (\d+)", cmd):
+            ranks[int(m.group(1))] = pid
+    return ranks
 
 
 def test_streams_logprobs_and_metrics(tp_raw, raw, tp_server) -> None:
@@ -46,7 +59,8 @@ def test_streams_logprobs_and_metrics(tp_raw, raw, tp_server) -> None:
 def test_a_killed_worker_fails_the_server(tp_raw, tp_server) -> None:
     """Last in this module: the server is dead after it."""
     assert tp_raw("GET", "/health")[0] == 200
-    pids = tp_server.engine.engine.executor.worker_pids
+    pids = _worker_pids(tp_server.engine.core_pid)
+    assert sorted(pids) == [1, 2], pids
     long = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     bodies: list[bytes] = []
     reader = threading.Thread(target=lambda: bodies.append(tp_raw("POST", "/v1/completions", long)[2]))

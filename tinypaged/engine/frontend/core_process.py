@@ -3,9 +3,10 @@
 Its main thread owns the LLMEngine and runs steps back to back while there is work; between two steps it
 applies what the server sent (requests, aborts, queries), and after each step it sends the step's outputs as
 one message (wire.py). The HTTP work of hundreds of streams then runs in the server's process, beside this
-one, instead of sharing its interpreter lock with the steps. `ProcessEngine` (process_engine.py) is the other
-end. A thread of its own beats a heartbeat saying how long the main loop has been in its current step, so that
-the server tells a stalled step, or a frozen process, from a slow step (liveness.py).
+one, instead of sharing its interpreter lock with the steps. `CoreProcess` (process_engine.py), the engine
+client's transport, is the other end. A thread of its own beats a heartbeat saying how long the main loop has
+been in its current step, so that the server tells a stalled step, or a frozen process, from a slow step
+(liveness.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tinypaged.config import EngineConfig
+from tinypaged.engine.frontend.liveness import death_message
 from tinypaged.engine.frontend.wire import (
     Beat,
     Channel,
@@ -35,7 +37,7 @@ from tinypaged.engine.frontend.wire import (
 from tinypaged.engine.request import EngineRequest
 from tinypaged.engine.step.llm_engine import LLMEngine
 from tinypaged.engine.step.queued_step import StepError
-from tinypaged.errors import EngineDeadError, RequestError
+from tinypaged.errors import RequestError
 from tinypaged.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -165,13 +167,7 @@ class _Core:
                     self._step()
         except BaseException as e:
             # The scheduler's state is unknown after an error outside a step's model work: stop serving.
-            if isinstance(e, EngineDeadError):
-                message = f"the engine has stopped: {e}"
-                logger.error("engine core stopped: %s", e)
-            else:
-                message = "the engine loop stopped (an internal error, logged)"
-                logger.exception("engine core died")
-            self.channel.send(encode(Dead(message)))
+            self.channel.send(encode(Dead(death_message(e, "engine core"))))
             return 1
 
     def _step(self) -> None:

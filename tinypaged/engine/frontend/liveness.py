@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from tinypaged.errors import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 # A core process's heartbeat comes from a thread of its own, which runs whatever a step does (torch lets go of
@@ -73,3 +75,14 @@ class Watchdog:
 def stall_message(engine: str, stuck_s: float, cause: str, limit: float) -> str:
     """What a stalled engine's requests and `/health` say."""
     return f"{engine} is stalled: it made no step for {stuck_s:.1f} s {cause} (limit {limit:g} s)"
+
+
+def death_message(e: BaseException, loop: str) -> str:
+    """Why an engine's `loop` ("engine loop", "engine core") stopped on `e`, as its requests and `/health` say,
+    logged: a failed tensor-parallel group says what failed (a worker's rank and exit); anything else is an
+    internal error, its traceback logged only."""
+    if isinstance(e, EngineDeadError):
+        logger.error("%s stopped: %s", loop, e)
+        return f"the engine has stopped: {e}"
+    logger.error("%s died", loop, exc_info=e)
+    return "the engine loop stopped (an internal error, logged)"

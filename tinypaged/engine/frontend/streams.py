@@ -1,7 +1,6 @@
-"""The requests' output streams of an async engine client (`AsyncEngine` in this process, `ProcessEngine` over
-an engine-core process): one slot per request holding its newest output, read by the request's async iterator.
-A reader that goes away before its request finishes, by closing, cancelling or dropping the iterator, makes the
-client abort the request."""
+"""The requests' output streams of the engine client (client.py), whichever transport carries them: one slot per
+request holding its newest output, read by the request's async iterator. A reader that goes away before its
+request finishes, by closing, cancelling or dropping the iterator, makes the client abort the request."""
 
 from __future__ import annotations
 
