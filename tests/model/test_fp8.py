@@ -324,22 +324,32 @@ def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path: Path) -
         load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
 
 
-def test_engine_runs_fp8_at_load(model_dir: Path) -> None:
+def test_engine_runs_fp8_at_load(model_dir: Path, run_paged) -> None:
     """`quantization="fp8"` reaches the model through the engine: its greedy tokens are those of the FP8
     model loaded directly and decoded step by step here."""
     from tinypaged import LLM, SamplingParams
 
     prompt = [1, 504, 3458, 314, 4649, 282]
-    with LLM(model=model_dir, quantization="fp8") as llm:
+    with LLM(model=model_dir, quantization="fp8", max_model_len=64, max_num_batched_tokens=64) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
     model = load_model(
         ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), 64, quantization="fp8"
     )
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    from tests.conftest import _run_paged
-
     tokens = list(prompt)
     for _ in range(6):
-        logits = _run_paged(model, [tokens], 16, [[]])[0]
+        logits = run_paged(model, [tokens], 16, [[]])[0]
         tokens.append(int(logits[-1].argmax()))
     assert list(out.outputs[0].token_ids) == tokens[len(prompt) :]
+
+
+def test_cpu_dequantization_is_torchs_cast() -> None:
+    """The CPU's fast path through float16 bits gives torch's own float8 cast, times the scale, for every
+    E4M3 code but the two NaNs (subnormals included)."""
+    from tinypaged.model.quant.fp8 import dequantize
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.tensor([[0.37], [1e-3], [3.0], [2.0**-20]])
+    want, got = codes.float() * scales, dequantize(codes, scales)
+    finite = ~want.isnan()
+    assert finite.sum() == 4 * 254 and torch.equal(got[finite], want[finite])

@@ -53,16 +53,31 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     return quantize(padded, scale).view(t, -1)[:, :k], scale[..., 0]
 
 
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 values times `scale` (broadcast against them), in float32: exact.
+
+    On the CPU, torch's cast from float8 is scalar code (about 20 ns a value on a 2-core AVX2 machine); here
+    the E4M3 bits are moved into a float16's instead (sign, then exponent and mantissa shifted into place: the
+    exponent bias is 15 rather than 7, so the float16 holds the value over 2^8, subnormals included), which the
+    CPU converts with vector instructions, 6x faster. The two NaN codes, which `quantize` never writes, read as
+    +-480 there."""
+    if q.device.type != "cpu":
+        return q.float() * scale
+    b = q.view(torch.uint8).to(torch.int16)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.view(torch.float16).float() * (scale.float() * 2.0**8)
+
+
 def dequantize_weight(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """An E4M3 weight `[out, in]` in float32: `q * scale`, scale `[out]` per row (a per-tensor scale is
     expanded to every row) or `[ceil(out / rows), ceil(in / cols)]` per block."""
     if block is None:
-        return q.float() * scale.float()[:, None]
+        return dequantize(q, scale.float()[:, None])
     rows, cols = q.shape
     full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return q.float() * full
+    return dequantize(q, full)
 
 
 def dequantize_activations(
@@ -75,14 +90,14 @@ def dequantize_activations(
         return x.float()
     if activations == "token":
         q, scale = quantize_per_token(x)
-        return q.float() * scale
+        return dequantize(q, scale)
     if activations == "static":
         assert input_scale is not None
-        return quantize(x, input_scale).float() * input_scale
+        return dequantize(quantize(x, input_scale), input_scale)
     if activations == "group":
         t, k = x.shape
         q, scale = quantize_per_token_group(x, group)
-        return (q.float() * scale.repeat_interleave(group, 1)[:, :k]).view(t, k)
+        return dequantize(q, scale.repeat_interleave(group, 1)[:, :k])
     raise ValueError(f"unknown FP8 activation quantization {activations!r}")
 
 
