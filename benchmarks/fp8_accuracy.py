@@ -7,7 +7,8 @@ every GPU run already accepts). Printed for each: the per-token logprob error of
 perplexity of the text, and greedy agreement with f32 over the prompts (identical continuations, and the mean
 share of tokens before the first difference).
 
-    PYTHONPATH=. python benchmarks/fp8_accuracy.py [--max-tokens 32] [--text-tokens 1024] [--json benchmarks/results/fp8_accuracy.json]
+    PYTHONPATH=. python benchmarks/fp8_accuracy.py [--max-tokens 32] [--text-tokens 1024] \\
+        [--json benchmarks/results/fp8_accuracy.json]
 
 The text is the Python standard library's own `this` module (the Zen of Python) and the docstrings of a few
 standard modules: real English that every Python ships.

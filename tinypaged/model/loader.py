@@ -28,7 +28,7 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
-# A quantized checkpoint's KV-cache scales: read by the FP8 KV cache (not built yet); the cache keeps the model's dtype.
+# A quantized checkpoint's KV-cache scales, for an FP8 KV cache (not built yet: the cache keeps the model's dtype).
 _KV_SCALES = (".k_scale", ".v_scale")
 
 
@@ -87,9 +87,8 @@ def load_model(
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, tp, quant)
-        whole = (
-            LlamaForCausalLM(cfg, max_positions, quant=quant) if tp.size > 1 else model
-        )  # the checkpoint's
+        # The unsplit model: the shapes of the checkpoint's tensors.
+        whole = LlamaForCausalLM(cfg, max_positions, quant=quant) if tp.size > 1 else model
     full = {name: tuple(p.shape) for name, p in whole.named_parameters()}
     whole_linears = {name: m for name, m in whole.named_modules() if isinstance(m, Linear)}
     params = dict(model.named_parameters())

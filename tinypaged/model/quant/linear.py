@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 
 import torch
 from torch import nn
@@ -44,8 +45,9 @@ class TensorLayout:
         ignored: a per-channel scale is written `[out]` or `[out, 1]`, a per-tensor one `[]` or `[1]`)."""
         return [d for d in shape if d != 1] == [d for d in self.shape(rows, cols) if d != 1]
 
-    def index(self, rows: slice, cols: slice, name: str) -> tuple[slice, ...] | type[Ellipsis]:
-        """The stored part of the given weight rows and columns (which must start on a stored element)."""
+    def index(self, rows: slice, cols: slice, name: str) -> tuple[slice, ...] | EllipsisType:
+        """The stored part of the given weight rows and columns (which must start on a stored element; `...`:
+        the whole of a tensor that does not run along either, e.g. a per-tensor scale)."""
         if self.out_dim is None and self.in_dim is None:
             return ...
         index = [slice(None)] * (max(d for d in (self.out_dim, self.in_dim) if d is not None) + 1)
