@@ -132,6 +132,8 @@ def load_model(
         raise ConfigError(
             f"checkpoint {cfg.path} lacks {len(missing)} tensor(s), e.g. {missing[0].split(':')[0]}"
         )
+    for layer in linears.values():
+        layer.method.finish(layer)
     model.init_rope()
     return model.eval()
 

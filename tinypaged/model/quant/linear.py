@@ -3,7 +3,8 @@
 A `Linear` holds its output rows as one or more parts (q, k and v in one matmul; gate and up) and hands every
 question about its weight to its `LinearMethod`: which parameters it has (`create`), which checkpoint tensors
 it reads and how they lie over the weight's rows and columns (`tensors`: the loader then reads only this rank's
-slices, per-shard scales included), how a tensor is put in place (`load`) and how the layer runs (`apply`).
+slices, per-shard scales included), how a tensor is put in place (`load`), what is repacked once all are in
+(`finish`: where GPU kernels want another layout) and how the layer runs (`apply`).
 `linear_method(scheme)` is the one place a scheme (tinypaged/quantization.py) becomes a method.
 """
 
@@ -89,6 +90,9 @@ class LinearMethod:
                 f"{layer.name}.{suffix} is {src.dtype}, but no quantization_config covers the layer"
             )
         _rows(layer.weight, rows).copy_(src)
+
+    def finish(self, layer: Linear) -> None:
+        """After every tensor is loaded: repack for the kernels that run the layer (nothing to do here)."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for input rows x."""
