@@ -35,10 +35,10 @@ LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 BLOCK = 32  # divides every part of the tiny model (q 64, k/v 32, MLP 96, hidden 64)
 
 
-def _hf_model(seed: int = 0) -> transformers.LlamaForCausalLM:
+def _hf_model(seed: int = 0, vocab: int = VOCAB) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -324,23 +324,26 @@ def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path: Path) -
         load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
 
 
-def test_engine_runs_fp8_at_load(model_dir: Path, run_paged) -> None:
-    """`quantization="fp8"` reaches the model through the engine: its greedy tokens are those of the FP8
-    model loaded directly and decoded step by step here."""
+def test_engine_runs_fp8_at_load(tmp_path: Path, model_dir: Path, run_paged) -> None:
+    """`quantization="fp8"` reaches the model through the engine: its greedy tokens are the argmax of the FP8
+    model loaded directly, run here over the prompt and those tokens in one pass (a tiny random model with
+    the default model's tokenizer)."""
+    import shutil
+
     from tinypaged import LLM, SamplingParams
 
+    path = tmp_path / "tiny"
+    _hf_model(vocab=49152).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(model_dir / name, path / name)
     prompt = [1, 504, 3458, 314, 4649, 282]
-    with LLM(model=model_dir, quantization="fp8", max_model_len=64, max_num_batched_tokens=64) as llm:
+    with LLM(model=path, quantization="fp8", max_model_len=64, max_num_batched_tokens=64) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
-    model = load_model(
-        ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"), 64, quantization="fp8"
-    )
+    tokens = list(out.outputs[0].token_ids)
+    model = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64, quantization="fp8")
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    tokens = list(prompt)
-    for _ in range(6):
-        logits = run_paged(model, [tokens], 16, [[]])[0]
-        tokens.append(int(logits[-1].argmax()))
-    assert list(out.outputs[0].token_ids) == tokens[len(prompt) :]
+    logits = run_paged(model, [prompt + tokens[:-1]], 16, [[]])[0]
+    assert len(tokens) == 6 and logits[len(prompt) - 1 :].argmax(-1).tolist() == tokens
 
 
 def test_cpu_dequantization_is_torchs_cast() -> None:
