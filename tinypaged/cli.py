@@ -1,4 +1,4 @@
-"""The `tinypaged` command: serve | generate | weights (fetch | random) | worker."""
+"""The `tinypaged` command: serve | generate | quantize | weights (fetch | random) | worker."""
 
 from __future__ import annotations
 
@@ -108,6 +108,14 @@ def _random_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from tinypaged.model.quant.writer import quantize_checkpoint
+    from tinypaged.weights.fetch import resolve_model
+
+    print(quantize_checkpoint(resolve_model(args.model), args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="tinypaged", description="A small, fast LLM serving engine.")
@@ -171,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("prompt")
     gen.set_defaults(func=_generate)
+
+    quant = sub.add_parser(
+        "quantize",
+        help="write a bf16 or f32 model as a compressed-tensors FP8 checkpoint (FP8_DYNAMIC, as vLLM loads it)",
+        description="E4M3 weights with one scale per output channel for the decoder's linear layers, activations "
+        "quantized per token at run time; the embedding, norms and LM head kept as they are (docs/quantization.md).",
+    )
+    quant.add_argument(
+        "--model", type=Path, default=None, help="the model directory (default: the default model)"
+    )
+    quant.add_argument("--out", type=Path, required=True, help="the new model directory to write")
+    quant.set_defaults(func=_quantize)
 
     weights = sub.add_parser("weights", help="model weights tooling")
     wsub = weights.add_subparsers(dest="weights_command", required=True)

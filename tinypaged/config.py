@@ -10,16 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from tinypaged.core.schedule_types import SchedulerConfig
+from tinypaged.errors import ConfigError
+from tinypaged.quantization import QUANTIZATIONS, resolve_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A model directory or an engine argument that cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +42,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     sliding_window: int | None = None  # Mistral v0.1: each token attends to this many tokens at most
+    # config.json's `quantization_config` as written (model/quant/scheme.py reads it); None: full precision
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -101,6 +101,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
+                quantization_config=raw.get("quantization_config"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"bad config.json in {path}: {type(e).__name__}: {e}") from e
@@ -149,6 +150,12 @@ class EngineConfig:
         choices=("auto", "bfloat16", "float16", "float32"),
     )
     device: str = _arg("auto", "auto, cpu or cuda[:N]")
+    quantization: str | None = _arg(
+        None,
+        "quantize the linear layers' weights at load (fp8: E4M3 per output channel, activations per token); "
+        "default: as the checkpoint's quantization_config says (docs/quantization.md)",
+        choices=QUANTIZATIONS,
+    )
     seed: int = _arg(0, "seed of the random draws of requests without a seed of their own")
     block_size: int = _arg(16, "tokens per KV cache block", choices=(1, 2, 4, 8, 16, 32, 64, 128))
     gpu_memory_utilization: float = _arg(
@@ -246,6 +253,14 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(f"{name} must be {rule}, got {getattr(self, name)}")
         self._check_tensor_parallel(mcfg)
+        # Every layer's scheme is checked here, before any weight is read: one line for what cannot be run.
+        resolve_quantization(
+            mcfg.quantization_config,
+            self.quantization,
+            str(mcfg.path),
+            mcfg.num_layers,
+            not mcfg.tie_word_embeddings,
+        )
 
     def _check_tensor_parallel(self, m: ModelConfig) -> None:
         """The model must split evenly: query heads and the MLP's columns over the ranks, KV heads too or

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A model directory or an engine argument that cannot be used; the message says why."""
+
+
 class RequestError(ValueError):
     """A request the engine will not run as given: the message says why, `param` names the offending
     parameter (as the OpenAI API spells it), `code` is a machine-readable reason when there is one."""

@@ -12,6 +12,8 @@ from torch import nn
 from tinypaged import ops
 from tinypaged.config import ModelConfig
 from tinypaged.model.parallel import TPGroup
+from tinypaged.model.quant import Linear, linear_method
+from tinypaged.quantization import Quantization
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,12 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The layer applied through ops.linear (a batch-1 step's matrix-vector products go to the Triton GEMV)."""
-    return ops.linear(x, layer.weight, layer.bias)
+def linear(
+    quant: Quantization | None, name: str, in_features: int, parts: tuple[int, ...], bias: bool
+) -> Linear:
+    """A linear layer run as `quant` says for checkpoint module `name` (the first of its fused parts); a dense
+    one goes through ops.linear (a batch-1 step's matrix-vector products to the Triton GEMV)."""
+    return Linear(in_features, parts, bias, linear_method(quant.scheme(name) if quant else None), name)
 
 
 class Attention(nn.Module):
@@ -74,7 +79,7 @@ class Attention(nn.Module):
     Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
     all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
         super().__init__()
         kv_start, kv_end = tp.kv_heads(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_end - kv_start
@@ -82,8 +87,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul; the loader fills the three row ranges.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and tp.rank == 0)
+        parts = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = linear(quant, f"{prefix}.q_proj", cfg.hidden_size, parts, cfg.attention_bias)
+        o_bias = cfg.attention_bias and tp.rank == 0
+        self.o_proj = linear(quant, f"{prefix}.o_proj", self.q_size, (cfg.hidden_size,), o_bias)
         self.scale = self.head_dim**-0.5
         self.tp = tp
 
@@ -96,7 +103,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -112,22 +119,22 @@ class Attention(nn.Module):
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
         )
-        return self.tp.all_reduce(linear(self.o_proj, out.view(t, self.q_size)))
+        return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused; a rank holds its share of the inner
     columns, and down_proj's partial sums are added by one all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
         super().__init__()
         inner = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=False)
-        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(quant, f"{prefix}.gate_proj", cfg.hidden_size, (inner, inner), False)
+        self.down_proj = linear(quant, f"{prefix}.down_proj", inner, (cfg.hidden_size,), False)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(self.down_proj, ops.silu_and_mul(linear(self.gate_up_proj, x))))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class VocabEmbedding(nn.Module):
@@ -150,14 +157,15 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm."""
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. `prefix` is the layer's
+    checkpoint name (`model.layers.3`), by which `quant` says how its linear layers run."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, quant, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -180,15 +188,24 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Token ids in, hidden states out; `compute_logits` projects the rows that are sampled. With a `tp` group
-    of several ranks, this rank's share of it (see `parallel.py`); every rank runs the same forward pass."""
+    of several ranks, this rank's share of it (see `parallel.py`); every rank runs the same forward pass. With
+    `quant`, the linear layers run quantized as it says (the embedding and the LM head stay dense)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TPGroup | None = None,
+        quant: Quantization | None = None,
+    ) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         rows = tp.vocab(cfg.vocab_size)[2]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)

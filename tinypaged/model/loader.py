@@ -16,6 +16,8 @@ from safetensors import safe_open
 from tinypaged.config import ConfigError, ModelConfig
 from tinypaged.model.llama import LlamaForCausalLM
 from tinypaged.model.parallel import TPGroup
+from tinypaged.model.quant import Linear
+from tinypaged.quantization import LAYER_LINEARS, resolve_quantization
 
 # checkpoint name suffix -> (our parameter suffix, index of the shard inside a fused parameter)
 _FUSED = {
@@ -25,7 +27,9 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
+# A quantized checkpoint's KV-cache scales, for an FP8 KV cache (not built yet: the cache keeps the model's dtype).
+_KV_SCALES = (".k_scale", ".v_scale")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -54,7 +58,9 @@ class _Piece:
 
     target: str
     rows: tuple[int, int] | None  # rows of the parameter (None: all of it)
-    src: tuple[slice, ...]  # the part of the checkpoint tensor read (all of it when no rank split it)
+    # The part of the checkpoint tensor read (all of it when no rank split it); for a linear layer's tensors,
+    # the weight's rows then columns, which its method's layout maps onto the tensor (a scale's, a block's).
+    src: tuple[slice, ...]
 
     @property
     def key(self) -> str:
@@ -67,33 +73,49 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model (this rank's share of it, under tensor parallelism) on the meta device, then
     materialise each parameter once on `device` in `dtype` and copy the checkpoint's slices into it: a rank
-    reads only its own slices from the safetensors files, and no second copy of the weights is ever held."""
+    reads only its own slices from the safetensors files, and no second copy of the weights is ever held.
+    The linear layers run as the checkpoint's quantization_config says, or quantized at load as `quantization`
+    asks (tinypaged/quantization.py); a scheme that cannot run is refused before anything is materialised.
+    Their methods keep the dtypes of their formats (FP8 values, float32 scales)."""
     tp = tp or TPGroup()
+    quant = resolve_quantization(
+        cfg.quantization_config, quantization, str(cfg.path), cfg.num_layers, not cfg.tie_word_embeddings
+    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, tp)
-        whole = LlamaForCausalLM(cfg, max_positions) if tp.size > 1 else model  # shapes of the checkpoint's
+        model = LlamaForCausalLM(cfg, max_positions, tp, quant)
+        # The unsplit model: the shapes of the checkpoint's tensors.
+        whole = LlamaForCausalLM(cfg, max_positions, quant=quant) if tp.size > 1 else model
     full = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+    whole_linears = {name: m for name, m in whole.named_modules() if isinstance(m, Linear)}
     params = dict(model.named_parameters())
     for name, p in params.items():
         owner, attr = _owner(model, name)
         # Zeroed: the vocabulary padding rows of the last rank must hold zeros (their logits are cut off).
+        p_dtype = p.dtype if getattr(p, "keep_dtype", False) else dtype
         setattr(
             owner,
             attr,
-            torch.nn.Parameter(torch.zeros(p.shape, dtype=dtype, device=device), requires_grad=False),
+            torch.nn.Parameter(torch.zeros(p.shape, dtype=p_dtype, device=device), requires_grad=False),
         )
     params = dict(model.named_parameters())
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     model.cos_sin_cache = torch.empty(0, device=device)
 
     loaded: set[str] = set()
     for name, piece, shape, tensor in _slices(checkpoint_files(cfg.path), cfg, tp):
-        if piece.target not in params:
-            raise ConfigError(f"unexpected tensor {name!r} in checkpoint {cfg.path}")
         whole_piece = _piece(name, cfg, TPGroup())
         assert whole_piece is not None
+        module, _, suffix = piece.target.rpartition(".")
+        if module in linears and suffix != "bias":
+            _load_linear(name, linears[module], whole_linears[module], piece, whole_piece.rows, shape, tensor)
+            loaded.add(piece.key)
+            continue
+        if piece.target not in params:
+            raise ConfigError(f"unexpected tensor {name!r} in checkpoint {cfg.path}")
         want = _rows_shape(full[piece.target], whole_piece.rows)
         if shape != want:
             raise ConfigError(f"tensor {name!r} has shape {shape}, expected {want} from config.json")
@@ -104,14 +126,41 @@ def load_model(
         dst[: src.shape[0]].copy_(src)  # fewer rows than dst only where the vocabulary is padded
         loaded.add(piece.key)
 
-    expected = {p.key for p in (_piece(n, cfg, tp) for n in _checkpoint_names(cfg)) if p is not None}
+    expected = {p.key for p in (_piece(n, cfg, tp) for n in _checkpoint_names(cfg, linears)) if p is not None}
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError(
             f"checkpoint {cfg.path} lacks {len(missing)} tensor(s), e.g. {missing[0].split(':')[0]}"
         )
+    for layer in linears.values():
+        layer.method.finish(layer)
     model.init_rope()
     return model.eval()
+
+
+def _load_linear(
+    name: str,
+    layer: Linear,
+    whole: Linear,
+    piece: _Piece,
+    whole_rows: tuple[int, int] | None,
+    shape: tuple[int, ...],
+    tensor: Any,
+) -> None:
+    """One checkpoint tensor of a linear layer into this rank's share of it, as the layer's method lays it out
+    (`whole` is the unsplit layer, `whole_rows` the rows of it the tensor covers)."""
+    suffix = piece.target.rpartition(".")[2]
+    layout = layer.method.tensors().get(suffix)
+    if layout is None:
+        raise ConfigError(f"unexpected tensor {name!r} for layer {layer.name}, which runs {layer.method}")
+    rows = whole.out_features if whole_rows is None else whole_rows[1] - whole_rows[0]
+    if not layout.fits(shape, rows, whole.in_features):
+        want = layout.shape(rows, whole.in_features)
+        raise ConfigError(
+            f"tensor {name!r} has shape {shape}, expected {want} ({layer.method}) from config.json"
+        )
+    src_rows, src_cols = (*piece.src, slice(None))[:2]
+    layer.method.load(layer, suffix, tensor[layout.index(src_rows, src_cols, name)], piece.rows)
 
 
 def _slices(
@@ -149,7 +198,7 @@ _ALL = (slice(None),)
 def _piece(name: str, cfg: ModelConfig, tp: TPGroup) -> _Piece | None:
     """Where this rank puts a checkpoint tensor (None: nowhere, e.g. rotary buffers some checkpoints carry,
     a tied LM head, or a row-parallel bias outside rank 0)."""
-    if name.endswith("rotary_emb.inv_freq"):
+    if name.endswith("rotary_emb.inv_freq") or name.endswith(_KV_SCALES):
         return None
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -189,22 +238,21 @@ def _piece(name: str, cfg: ModelConfig, tp: TPGroup) -> _Piece | None:
     return _Piece(f"{prefix}{fused}.{kind}", dst, (slice(*src),))
 
 
-def _checkpoint_names(cfg: ModelConfig) -> list[str]:
-    """The checkpoint names a complete checkpoint for this config has."""
+def _checkpoint_names(cfg: ModelConfig, linears: dict[str, Linear]) -> list[str]:
+    """The checkpoint names a complete checkpoint for this config has (a linear layer's: the tensors its method
+    reads, e.g. `weight` and `weight_scale`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     per_layer = [
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
     ]
     if cfg.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
-    return [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in per_layer] + names
+    for i in range(cfg.num_layers):
+        names += [f"model.layers.{i}.{n}" for n in per_layer]
+        for module in LAYER_LINEARS:
+            layer = linears[f"layers.{i}.{_FUSED.get(module, (module, 0))[0]}"]
+            names += [f"model.layers.{i}.{module}.{suffix}" for suffix in layer.method.tensors()]
+    return names

@@ -136,7 +136,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             ops.prefer_cublaslt()
         t0 = time.perf_counter()
-        self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len, self.tp)
+        self.model = load_model(
+            mcfg, self.dtype, self.device, config.max_model_len, self.tp, config.quantization
+        )
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_size = config.block_size
