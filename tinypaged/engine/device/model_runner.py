@@ -7,6 +7,10 @@ next batch size up, steps with prefill chunks (up to `cuda_graph_max_tokens`) th
 up, captured with every sequence row (padding rows and tokens write no K/V and attend to nothing; the attention
 kernel's grid depends on shapes only). Larger steps, and steps that score prompts, run eagerly. The only
 synchronisation of a step is the sampler's read of the sampled tokens. The staging itself lives in `staging.py`.
+
+One job, past 450 lines: turning one SchedulerOutput into one forward pass over the caches it owns. Loading the
+model, allocating the caches, capturing and choosing the CUDA graphs and running a step all read the same
+shapes and buffers; the staging of the inputs, the one part that stands alone, is already `staging.py`.
 """
 
 from __future__ import annotations
