@@ -26,8 +26,9 @@ def project(pytester: pytest.Pytester):
             "def test_slow(paid):\n    time.sleep(0.15)\n",
             "tests/b/test_b.py": FAST,
             "tests/test_top.py": FAST,
-            "tests/b/test_props.py": "from hypothesis import given, settings, strategies as st\n\n"
-            "@settings(max_examples=3, deadline=None)\n@given(st.integers())\ndef test_prop(x):\n    pass\n",
+            "tests/b/test_props.py": "import time\nfrom hypothesis import given, settings, strategies as st\n\n"
+            "@settings(max_examples=3, deadline=None)\n@given(st.integers())\ndef test_prop(x):\n"
+            "    time.sleep(0.01)\n",
         }
     )
 

@@ -170,3 +170,17 @@ def test_request_is_the_shared_vocabulary(graph: dict[str, set[str]]) -> None:
     """engine/request.py imports no engine layer: every layer can use it."""
     deps = graph["tinypaged.engine.request"]
     assert not {d for d in deps if d.startswith("tinypaged.engine")}, deps
+
+
+def test_every_package_is_installed() -> None:
+    """Each package of the source tree is in pyproject.toml's list: a missing one imports from a checkout (the
+    editable install) but not from a wheel, as `tinypaged serve` on a VM runs it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join([package, *init.parent.relative_to(folder).parts])
+        for folder, package in PACKAGES.items()
+        for init in folder.rglob("__init__.py")
+    }
+    assert not found - listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
