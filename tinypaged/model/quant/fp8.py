@@ -1,17 +1,19 @@
 """FP8 (E4M3) numerics: the definition of every FP8 op, in torch, on any device.
 
-The GPU kernels (fused activation quantization, FP8 GEMV and GEMM) are tested against these functions and must
-give the same numbers; on the CPU they are the FP8 path itself (emulation: FP8 values held in torch's
-float8_e4m3fn, the matmul done in float32 on the dequantized values).
+The GPU kernels (fused activation quantization, FP8 GEMV) and `torch._scaled_mm` are tested against these
+functions and give the same numbers (up to the order of float32 sums); on the CPU the references are the FP8 path
+itself (emulation: FP8 values held in torch's float8_e4m3fn, the matmul done in float32 on the dequantized values).
 
 - Scales are float32, and a value is quantized as `clamp(x / scale, -448, 448)` cast to E4M3 (round to nearest
   even): division, not multiplication by a reciprocal, so that a kernel reproduces it bit for bit.
 - A weight is dequantized as `q * scale` (per tensor, per output row, or per block of rows x columns); an
   activation row likewise, its scale `amax(|row|) / 448` (dynamic) or the checkpoint's (static).
-- `fp8_linear` is then `dequant(x) @ dequant(w).T (+ bias)` in float32, cast to x's dtype.
+- `ref_fp8_linear` is then `dequant(x) @ dequant(w).T (+ bias)` in float32, cast to x's dtype.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +21,21 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
 # The smallest scale a dynamic quantization takes, so that an all-zero row or tensor quantizes to zeros.
 MIN_SCALE = 1e-12
+
+
+class Fp8Activation(NamedTuple):
+    """A layer's input rows `[T, K]` quantized per token, as the kernel that produced them emits them for an
+    FP8 layer: E4M3 values, one float32 scale a row (`[T, 1]`), and the dtype the rows had unquantized (the
+    layer's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The rows' shape, as a tensor's (so that code reading `x.shape` takes either)."""
+        return self.q.shape
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -29,7 +46,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dynamic_scale(x: torch.Tensor, dim: int | None = -1) -> torch.Tensor:
     """The scale that maps the largest magnitude along `dim` (None: of the whole tensor) to 448, float32."""
     amax = x.float().abs().amax() if dim is None else x.float().abs().amax(dim, keepdim=True)
-    return amax.clamp(min=MIN_SCALE) / FP8_MAX
+    # Over a tensor on amax's device: torch's CUDA division by a Python number multiplies by its reciprocal,
+    # an ulp off at times, where the kernels and the CPU divide.
+    return amax.clamp(min=MIN_SCALE) / amax.new_full((), FP8_MAX)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +121,7 @@ def dequantize_activations(
 
 
 def ref_fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -111,15 +130,19 @@ def ref_fp8_linear(
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`x @ W.T + bias` with W in E4M3 (see `dequantize_weight`) and x quantized as `activations` says (see
-    `dequantize_activations`; "group" takes the block's column count): the exact dequantized reference, in
-    float32, returned in x's dtype. x is `[T, K]` (or any leading shape)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    xd = dequantize_activations(x2, activations, input_scale, block[1] if block else 0)
+    `dequantize_activations`; "group" takes the block's column count), or already quantized per token (an
+    `Fp8Activation`): the exact dequantized reference, in float32, returned in x's dtype. x is `[T, K]` (or any
+    leading shape)."""
+    if isinstance(x, Fp8Activation):
+        lead, dtype, xd = x.q.shape[:-1], x.dtype, dequantize(x.q, x.scale)
+    else:
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        xd = dequantize_activations(x2, activations, input_scale, block[1] if block else 0)
     y = xd @ dequantize_weight(weight, weight_scale, block).T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*lead, -1)
+    return y.to(dtype).reshape(*lead, weight.shape[0])
 
 
 # The FP8 linear op every device runs: the reference for now. The GPU kernels, with the same numerics, will be
