@@ -1,5 +1,6 @@
 """FP8 kernels (Triton interpreter, E4M3 rounding emulated as kernels/fp8.py says) against the torch definitions
-of tinypaged/model/quant/fp8.py: the quantization bit for bit, the GEMV up to the order of float32 sums.
+of tinypaged/model/quant/fp8.py: the quantization bit for bit, the GEMV and the dispatch of `fp8_linear` up to
+the order of float32 sums.
 
 The fused producers round each value to the activation dtype before quantizing it, as their plain kernels store
 it: their reference, bit for bit, is `quantize_per_token` of the plain kernel's output (itself tested against
@@ -14,6 +15,7 @@ import torch
 
 from tinypaged import kernels as tk
 from tinypaged.model.quant import fp8
+from tinypaged.quantization import Fp8Scheme
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -138,3 +140,54 @@ def test_fp8_gemv_configs(config: tuple[int, int, int]) -> None:
     bias = torch.randn(100)
     y = tk.fp8_gemv(x.q, x.scale, w, ws, bias, torch.float32, config)
     assert_close_to_ref(y, fp8.ref_fp8_linear(x, w, ws, bias))
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        ("token", None, None),
+        ("static", None, torch.tensor([0.02])),
+        ("group", (16, 32), None),
+        (None, None, None),
+    ],
+)
+@pytest.mark.parametrize("m", [1, fp8.GEMV_ROWS, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_dispatch(
+    scheme: tuple, m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fp8_linear` gives `ref_fp8_linear`'s numbers whichever path the rows take: the GEMV up to GEMV_ROWS,
+    torch._scaled_mm (here torch's CPU one, with the arguments the GPU's takes: a row-major, b column-major,
+    scales [M, 1] and [1, N]) for more bf16 rows, the float32 reference for float32 rows, block scales and
+    weight-only layers."""
+    activations, block, input_scale = scheme
+    n, k = 48, 64
+    w, ws = weight(n, k, seed=m)
+    if block is not None:
+        w, ws = w, torch.rand(n // block[0], k // block[1]) / 100
+    x = rows(m, k, dtype, seed=m + 7)
+    bias = torch.randn(n).to(dtype)
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
+        sa, sb = kw["scale_a"], kw["scale_b"]
+        assert a.is_contiguous() and b.t().is_contiguous() and b.shape == (k, n)
+        assert sa.shape == (a.shape[0], 1) and sb.shape == (1, n) and sa.dtype == sb.dtype == torch.float32  # type: ignore[union-attr]
+        calls.append(a.shape[0])
+        return scaled_mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    weights = "channel" if block is None else "block"
+    y = fp8.fp8_linear(x, w, ws, bias, Fp8Scheme(weights, activations, block), input_scale)
+    want = fp8.ref_fp8_linear(x, w, ws, bias, activations, input_scale, block)
+    fast = activations in ("token", "static") and block is None
+    assert calls == ([m] if fast and dtype == torch.bfloat16 and m > fp8.GEMV_ROWS else [])
+    assert_close_to_ref(y, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_of_no_rows(dtype: torch.dtype) -> None:
+    w, ws = weight(48, 64, seed=0)
+    scheme = Fp8Scheme("channel", "token")
+    assert fp8.fp8_linear(torch.empty(0, 64, dtype=dtype), w, ws, None, scheme).shape == (0, 48)
