@@ -1,4 +1,5 @@
-"""SwiGLU of a fused gate/up projection: one program per (token row, tile of output columns)."""
+"""SwiGLU of a fused gate/up projection: one program per (token row, tile of output columns). Its FP8 variant,
+quantized per token for an FP8 down projection, is in kernels/fp8.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_options, pdl_start
+
+
+@triton.jit
+def swiglu(x_row, n_cols, cols, ok):
+    """silu(gate) * up over columns `cols` of one row of x (gate then up), in fp32."""
+    gate = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    # One rounding, at the store (the torch reference rounds silu(gate) to x's dtype before the multiply).
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -24,10 +34,7 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-    # One rounding, at the store (the torch reference rounds silu(gate) to x's dtype before the multiply).
-    out = gate * tl.sigmoid(gate) * up
+    out = swiglu(x_ptr + row * stride_x, n_cols, cols, ok)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -5,6 +5,7 @@ programmatic dependent launch)."""
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -81,12 +82,13 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
     from tinypaged.kernels.gemv import _gemv_kernel, default_config
 
     block_n, block_k, warps = default_config(1, 4096, 14336)
-    constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_PDL": True}
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"}
-    signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
+    constexprs = {"HAS_BIAS": False, "SCALED": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constexprs["USE_PDL"] = True
+    signature = dict.fromkeys(["x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr"], "*bf16")
+    signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_xs", "stride_w", "stride_y"], "i32")
     signature |= dict.fromkeys(constexprs, "constexpr")
     # As a launch specializes them: pointers, sizes and strides that are multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "M" and i < 10}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "M" and i < 13}
     src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "cubin" in kernel.asm
@@ -98,8 +100,8 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
 # The kernels a model step launches with programmatic dependent launch (kernels/pdl.py), with constexprs as a
 # decode step of the 8B shape sets them.
 _PDL_KERNELS = {
-    "gemv._gemv_kernel": {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
-    "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "BLOCK": 4096},
+    "gemv._gemv_kernel": {"HAS_BIAS": False, "SCALED": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
+    "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "FP8_OUT": False, "BLOCK": 4096, "INTERPRET": False},
     "activation._silu_and_mul_kernel": {"BLOCK": 1024},
     "cache._write_kv_kernel": {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128},
     "rotary._rotary_kernel": {"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
@@ -138,6 +140,58 @@ def test_pdl_kernels_wait_before_touching_memory(name: str) -> None:
         wait = ptx.index("griddepcontrol.wait")
         first_access = min(ptx.find(op) % len(ptx) for op in ("ld.global", "st.global"))
         assert wait < first_access, f"{name} touches memory before griddepcontrol.wait"
+
+
+# The FP8 kernels as a decode step of the 8B shape launches them: (pointer types, constexprs).
+def _quantize(swiglu: bool, one_tile: bool, block: int) -> tuple[dict[str, str], dict[str, Any]]:
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_ptr": "*fp32"}
+    return pointers, {"SWIGLU": swiglu, "STATIC": False, "ONE_TILE": one_tile, "BLOCK": block}
+
+
+_FP8_KERNELS = {
+    "fp8._quantize_kernel": _quantize(False, True, 4096),
+    "fp8._quantize_kernel two passes": _quantize(False, False, 4096),
+    "fp8._quantize_kernel swiglu": _quantize(True, True, 16384),
+    "fp8._quantize_kernel swiglu two passes": _quantize(True, False, 4096),
+    "norm._rms_norm_kernel": (
+        {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+         "scale_ptr": "*fp32"},
+        {"HAS_RESIDUAL": True, "FP8_OUT": True, "BLOCK": 4096},
+    ),
+    "gemv._gemv_kernel": (
+        {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+         "y_ptr": "*bf16"},
+        {"HAS_BIAS": True, "SCALED": True, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 1024},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_FP8_KERNELS))
+def test_fp8_kernels_compile_for_hopper(name: str) -> None:
+    """The FP8 kernels compile for sm_90 with programmatic dependent launch (the wait before any memory access),
+    the quantizers with the GPU's own E4M3 conversion (round to nearest even, saturating) after an IEEE division
+    (Triton's `/` is approximate there), the GEMV streaming its weight in 16-byte loads."""
+    module, fn_name = name.split()[0].split(".")
+    fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
+    pointers, constexprs = _FP8_KERNELS[name]
+    constexprs = (
+        constexprs | {"USE_PDL": True} | ({"INTERPRET": False} if "INTERPRET" in fn.arg_names else {})
+    )
+    signature = {
+        a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a == "eps" else "i32")
+        for a in fn.arg_names
+    }
+    # As a launch specializes them: pointers, sizes and strides that are multiples of 16 (the row count aside).
+    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr" and a not in ("M", "eps")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < min(ptx.find(op) % len(ptx) for op in ("ld.global", "st.global"))
+    if "gemv" in module:
+        assert ptx.count("ld.global.v4") >= 8 * 1024 // 16 // (32 * 4)
+    else:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
 
 
 def test_pdl_off_on_the_cpu() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from tinypaged import ops
 from tinypaged.config import ModelConfig
 from tinypaged.model.parallel import TPGroup
-from tinypaged.model.quant import Linear, linear_method
+from tinypaged.model.quant import Linear, fp8, linear_method
 from tinypaged.quantization import Quantization
 
 
@@ -52,16 +52,20 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.devic
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add."""
+    """RMSNorm with an optional fused residual add; with `fp8` set, its output comes quantized per token (for
+    an FP8 layer that reads it: the quantization fused into the norm)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fp8 = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | fp8.Fp8Activation | tuple[torch.Tensor | fp8.Fp8Activation, torch.Tensor]:
+        if self.fp8:
+            return fp8.rms_norm(x, self.weight, self.eps, residual)
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -124,17 +128,20 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused; a rank holds its share of the inner
-    columns, and down_proj's partial sums are added by one all-reduce."""
+    columns, and down_proj's partial sums are added by one all-reduce. For an FP8 down_proj that reads its
+    input per token, the SwiGLU quantizes its output."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
         super().__init__()
         inner = cfg.intermediate_size // tp.size
         self.gate_up_proj = linear(quant, f"{prefix}.gate_proj", cfg.hidden_size, (inner, inner), False)
         self.down_proj = linear(quant, f"{prefix}.down_proj", inner, (cfg.hidden_size,), False)
+        self.fp8 = self.down_proj.method.fp8_input
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        return self.tp.all_reduce(self.down_proj(fp8.silu_and_mul(h) if self.fp8 else ops.silu_and_mul(h)))
 
 
 class VocabEmbedding(nn.Module):
@@ -166,6 +173,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, quant, f"{prefix}.mlp")
+        # Each norm quantizes its output where the layer reading it is FP8 per token.
+        self.input_layernorm.fp8 = self.self_attn.qkv_proj.method.fp8_input
+        self.post_attention_layernorm.fp8 = self.mlp.gate_up_proj.method.fp8_input
 
     def forward(
         self,

@@ -74,6 +74,10 @@ def keep_dtype(p: nn.Parameter) -> nn.Parameter:
 class LinearMethod:
     """How a linear layer's weight is stored, loaded and applied (this one: dense, in the model's dtype)."""
 
+    # Whether `apply` takes its input quantized per token (an `fp8.Fp8Activation`), so that the kernel that
+    # produces the input can quantize it as it writes it.
+    fp8_input = False
+
     def create(self, layer: Linear) -> None:
         """Register the layer's weight parameters (on the meta device; the loader materialises them)."""
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
@@ -95,7 +99,7 @@ class LinearMethod:
         """After every tensor is loaded: repack for the kernels that run the layer (nothing to do here)."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output for input rows x."""
+        """The layer's output for input rows x (quantized ones where `fp8_input`)."""
         return ops.linear(x, layer.weight, layer.bias)
 
     def __str__(self) -> str:
@@ -105,10 +109,12 @@ class LinearMethod:
 class Fp8LinearMethod(LinearMethod):
     """E4M3 weights with float32 scales: `weight_scale` per output row (a per-tensor scale, one per fused part,
     is spread over that part's rows: per-shard scales cost nothing) or per block; activations quantized as the
-    scheme says, `input_scale` one static scale (the largest of the fused parts'). Runs `fp8.fp8_linear`."""
+    scheme says, `input_scale` one static scale (the largest of the fused parts'). Runs `fp8.fp8_linear`; with
+    dynamic per-token activations (`fp8_input`) the producer of the input may quantize it."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
+        self.fp8_input = scheme.activations == "token" and scheme.block is None
 
     def create(self, layer: Linear) -> None:
         out, cols, block = layer.out_features, layer.in_features, self.scheme.block
@@ -162,15 +168,9 @@ class Fp8LinearMethod(LinearMethod):
             start = 0 if rows is None else rows[0] // self.scheme.block[0]
             layer.weight_scale[start : start + src.shape[0]].copy_(src.float())
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:
         return fp8.fp8_linear(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            layer.bias,
-            self.scheme.activations,
-            getattr(layer, "input_scale", None),
-            self.scheme.block,
+            x, layer.weight, layer.weight_scale, layer.bias, self.scheme, getattr(layer, "input_scale", None)
         )
 
     def __str__(self) -> str:
@@ -209,7 +209,7 @@ class Linear(nn.Module):
         method.create(self)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:
         return self.method.apply(self, x)
 
 
