@@ -29,9 +29,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
 # The smallest scale a dynamic quantization takes, so that an all-zero row or tensor quantizes to zeros.
 MIN_SCALE = 1e-12
-# Steps of up to this many rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), larger ones
-# through torch._scaled_mm (cuBLASLt): a first guess until benchmarks/fp8_kernels.py's H200 figures set it.
+# Steps of up to GEMV_ROWS rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), up to GEMM_ROWS
+# through the Triton FP8 matmul (kernels/fp8_gemm.py), larger ones through torch._scaled_mm (cuBLASLt): where
+# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "FP8 matmuls on this board").
 GEMV_ROWS = 4
+GEMM_ROWS = 64
 
 
 class Fp8Activation(NamedTuple):
@@ -212,10 +214,11 @@ def fp8_linear(
     numbers: the FP8 linear op every device runs.
 
     Per-row weight scales with activations per token (quantized here by `per_token` unless x comes quantized)
-    or static run W8A8 on the GPU: up to GEMV_ROWS rows through the Triton FP8 GEMV, more through
-    `torch._scaled_mm` (cuBLASLt's FP8 matmul, rowwise scales, bf16 or fp16 out; float32 outputs and sizes not
-    multiples of 16 take the float32 reference on the quantized rows). Block scales and weight-only layers
-    run the float32 reference (dequantized weights, one matmul: correct, not fast), as does the CPU.
+    or static run W8A8 on the GPU: up to GEMV_ROWS rows through the Triton FP8 GEMV, up to GEMM_ROWS through
+    the Triton FP8 matmul, more through `torch._scaled_mm` (cuBLASLt's FP8 matmul, rowwise scales, bf16 or
+    fp16 out; float32 outputs and sizes not multiples of 16 take the float32 reference on the quantized rows).
+    Block scales and weight-only layers run the float32 reference (dequantized weights, one matmul: correct,
+    not fast), as does the CPU.
     """
     activations, block = scheme.activations, scheme.block
     rows = x.q if isinstance(x, Fp8Activation) else x
@@ -238,6 +241,10 @@ def _w8a8(
         from tinypaged.kernels import fp8_gemv
 
         return fp8_gemv(x.q, x.scale, weight, w_scale, bias, x.dtype)
+    if m <= GEMM_ROWS:
+        from tinypaged.kernels.fp8_gemm import fp8_gemm
+
+        return fp8_gemm(x.q, x.scale, weight, w_scale, bias, x.dtype)
     if x.dtype in (torch.bfloat16, torch.float16) and n % 16 == 0 and k % 16 == 0:
         # a row-major, b column-major (W [N, K] transposed, no copy), scales [M, 1] and [1, N], float32.
         return torch._scaled_mm(
