@@ -3,34 +3,12 @@ across all layers."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .fp8 import INTERPRET, quantize_e4m3
 from .pdl import pdl_options, pdl_start
-
-# Triton's interpreter casts float32 to E4M3 with the wrong rounding (7.93 -> 4.0), but casts values already on
-# the E4M3 grid exactly: under it, `to_fp8` rounds on the grid itself first.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def to_fp8(x, scale, INTERPRET: tl.constexpr):
-    """`x / scale` in float32 (IEEE division), saturated to +-448 and rounded to E4M3, to nearest even: the
-    numbers of `model/quant/fp8.py`'s `quantize`. A GPU converts natively (cvt with satfinite)."""
-    y = tl.math.div_rn(x.to(tl.float32), scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if INTERPRET:
-        bits = y.to(tl.uint32, bitcast=True)
-        # Normal values keep 3 of float32's 23 mantissa bits, rounded to nearest even.
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        # Below 2^-6 (E4M3's subnormals): multiples of 2^-9, which float32 rounds to in a sum at 2^14.
-        tiny = (tl.abs(y) + 16384.0) - 16384.0
-        tiny = (tiny.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
-        y = tl.where(tl.abs(y) < 0.015625, tiny, normal)
-    return y.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -71,8 +49,8 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + cols[None, :], mask=ok)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=ok)
     if FP8:
-        k = to_fp8(k, k_scale, INTERPRET)
-        v = to_fp8(v, v_scale, INTERPRET)
+        k = quantize_e4m3(k.to(tl.float32), k_scale, INTERPRET)
+        v = quantize_e4m3(v.to(tl.float32), v_scale, INTERPRET)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 

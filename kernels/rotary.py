@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache import INTERPRET, to_fp8
+from .fp8 import INTERPRET, quantize_e4m3
 from .pdl import pdl_options, pdl_start
 
 
@@ -45,8 +45,8 @@ def _rotate_heads(
     lo = x1 * cos - x2 * sin
     hi = x2 * cos + x1 * sin
     if FP8:
-        lo = to_fp8(lo.to(x_ptr.dtype.element_ty), scale, INTERPRET)
-        hi = to_fp8(hi.to(x_ptr.dtype.element_ty), scale, INTERPRET)
+        lo = quantize_e4m3(lo.to(x_ptr.dtype.element_ty).to(tl.float32), scale, INTERPRET)
+        hi = quantize_e4m3(hi.to(x_ptr.dtype.element_ty).to(tl.float32), scale, INTERPRET)
     dtype = o_ptr.dtype.element_ty
     tl.store(o_lo, lo.to(dtype), mask=ok)
     tl.store(o_lo + HALF, hi.to(dtype), mask=ok)
@@ -239,7 +239,7 @@ def _rotary_write_kv_kernel(
     ok = (heads[:, None] < n_k_heads) & (dims[None, :] < 2 * HALF) & in_cache
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)
     if FP8:
-        v = to_fp8(v, v_scale, INTERPRET)
+        v = quantize_e4m3(v.to(tl.float32), v_scale, INTERPRET)
     dst = v_cache_ptr + slot_off + heads[:, None] * stride_ch + dims[None, :]
     tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 

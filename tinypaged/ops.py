@@ -5,7 +5,7 @@ a layer's slice `kv_layer = kv_cache[i]` is `[2, num_blocks, block_size, num_kv_
 A slot is `block_id * block_size + offset`; token N of a sequence lives in slot
 `block_table[N // block_size] * block_size + N % block_size`. A cache in float8_e4m3fn (`kv_cache_dtype="fp8"`)
 holds `fp8(x / scale)` with one float32 scale per layer for keys (`k_scale`) and one for values (`v_scale`):
-the ops that write it quantize (`model/quant/fp8.py`'s `quantize`), those that read it dequantize (`stored *
+the ops that write it quantize (`model/quant/e4m3.py`'s `quantize`), those that read it dequantize (`stored *
 scale`, in float32); the scales are ignored for a cache in any other dtype. Block moves copy its bytes.
 
 Setting TRITON_INTERPRET=1 (before import) routes CPU tensors through the Triton kernels too, so that the
@@ -96,7 +96,7 @@ def _as_stored(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tens
     torch's CPU indexing ops do not take float8)."""
     if not _is_fp8(cache):
         return x.to(cache.dtype)
-    from tinypaged.model.quant.fp8 import quantize
+    from tinypaged.model.quant.e4m3 import quantize
 
     # A tensor scale on x's device: a CUDA division by a host scalar multiplies by its reciprocal instead.
     return quantize(x, torch.tensor(scale, dtype=torch.float32, device=x.device)).view(torch.uint8)
@@ -162,7 +162,7 @@ def gather_context(
     k, v = flat[0].index_select(0, idx).view(shape), flat[1].index_select(0, idx).view(shape)
     if not _is_fp8(kv_layer):
         return k, v
-    from tinypaged.model.quant.fp8 import dequantize
+    from tinypaged.model.quant.e4m3 import dequantize
 
     fp8 = kv_layer.dtype
     return dequantize(k.view(fp8), torch.tensor(k_scale)), dequantize(v.view(fp8), torch.tensor(v_scale))

@@ -1,5 +1,5 @@
 """KV write and block copy kernels against `ref_write_kv` / `ref_copy_blocks` (Triton interpreter), an FP8 cache's
-too: the bytes the kernel stores are the reference's (`model/quant/fp8.py`'s quantize), and block moves copy them."""
+too: the bytes the kernel stores are the reference's (`model/quant/e4m3.py`'s quantize), and block moves copy them."""
 
 from __future__ import annotations
 

@@ -25,12 +25,11 @@ from tinypaged.errors import ConfigError
 from tinypaged.model import LlamaForCausalLM
 from tinypaged.model.loader import kv_cache_scales
 from tinypaged.model.parallel import TPGroup
+from tinypaged.model.quant.e4m3 import FP8_DTYPE, FP8_MAX
 from tinypaged.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 # Compute capability from which CUDA devices convert to and from E4M3 natively (Ada, Hopper and later).
 FP8_MIN_CAPABILITY = (8, 9)
 # How far past the calibration's largest magnitude a layer's keys or values may go before they saturate.
@@ -79,7 +78,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
                 f"kv_cache_dtype {name} needs a GPU with FP8 (compute capability 8.9 or later), but {device} "
                 f"({torch.cuda.get_device_name(device)}) is {capability[0]}.{capability[1]}; use kv_cache_dtype auto"
             )
-    return FP8_KV_DTYPE
+    return FP8_DTYPE
 
 
 def calibration_prompts(config: EngineConfig) -> list[list[int]]:
@@ -116,7 +115,7 @@ def set_kv_scales(
     """Give every attention layer its `k_scale` and `v_scale` for a cache of `kv_dtype` and say where they came
     from: the checkpoint's, or calibrated (`prefill(prompts)` returns a scratch cache in the model's dtype that
     holds their keys and values). Only an FP8 cache has scales; any other keeps 1.0, which nothing reads."""
-    if kv_dtype != FP8_KV_DTYPE:
+    if kv_dtype != FP8_DTYPE:
         return "none"
     scales = kv_cache_scales(config.model_config)
     source = "checkpoint"
