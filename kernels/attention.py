@@ -12,6 +12,8 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
   so that the grid is sized from tensor shapes alone (no host sync).
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
 without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
+An FP8 cache's tiles are converted to the query's dtype as they are loaded (exact: E4M3 values are bf16 values);
+its scales cost nothing per key: k_scale is in the softmax scale, v_scale multiplies a program's output once.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _attend_tiles(
             k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_off)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
         if MASKED:
             qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -93,7 +95,7 @@ def _attend_tiles(
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_off)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -110,6 +112,7 @@ def _paged_attn_kernel(
     query_start_loc_ptr,
     seq_order_ptr,
     qk_scale,
+    v_scale,
     num_seqs,
     num_splits,
     stride_qt,
@@ -132,9 +135,11 @@ def _paged_attn_kernel(
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V."""
+    """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V (an FP8
+    cache's: `qk_scale` holds its k_scale, and the output is multiplied by `v_scale`)."""
     pdl_start(USE_PDL)
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
     # every KV head of their tokens) run side by side.
@@ -249,6 +254,8 @@ def _paged_attn_kernel(
         True,
         DOT_PREC,
     )
+    if KV_FP8:
+        acc = acc * v_scale  # sum_j p_j (v_j * v_scale), once per row instead of once per key
 
     if SPLIT_KV:
         # Partials [num_splits, num_seqs, Hq, D] (unnormalised) and [2, num_splits, num_seqs, Hq] (m, l).
@@ -315,6 +322,8 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     configs: tuple[AttnConfig, AttnConfig] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`).
 
@@ -323,7 +332,8 @@ def paged_attention(
     from `query_start_loc` otherwise, and `max_seq_len` is bounded by the block table's width.
     `num_kv_splits` forces the decode split count (1 = no split-KV). `seq_order` `[B]` int32, a permutation of the
     sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
-    result. `out` is an optional `[T, Hq, D]` output.
+    result. `out` is an optional `[T, Hq, D]` output. `k_scale` and `v_scale` are an FP8 cache's scales (plain
+    arguments of the launch: a CUDA graph keeps the values it was captured with, fixed once the model is loaded).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
@@ -341,8 +351,10 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     decode_cfg, prefill_cfg = configs or default_configs(q, g)
+    kv_fp8 = kv_layer.dtype == torch.float8_e4m3fn
     common = dict(
-        qk_scale=scale * _LOG2E,
+        qk_scale=scale * _LOG2E * (float(k_scale) if kv_fp8 else 1.0),
+        v_scale=float(v_scale),
         num_seqs=num_seqs,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
@@ -357,6 +369,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         **pdl_options(q),
     )
     tensors = (block_tables, seq_lens, query_start_loc)

@@ -1,4 +1,5 @@
-"""KV cache writes: new keys/values into their slots, and copy-on-write block copies across all layers."""
+"""KV cache writes: new keys/values into their slots (quantized into an FP8 cache), and copy-on-write block copies
+across all layers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import INTERPRET, quantize_e4m3
 from .pdl import pdl_options, pdl_start
 
 
@@ -16,6 +18,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     n_heads,
     stride_kt,
     stride_kh,
@@ -28,9 +32,12 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Copy token t's keys and values `[Hkv, D]` into slot `slot_mapping[t]`, unless that slot is negative."""
+    """Copy token t's keys and values `[Hkv, D]` into slot `slot_mapping[t]`, unless that slot is negative; an
+    FP8 cache gets them quantized with `k_scale` and `v_scale`."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -40,13 +47,21 @@ def _write_kv_kernel(
     slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
     dst = slot_off + heads[:, None] * stride_ch + cols[None, :]
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + cols[None, :], mask=ok)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=ok)
+    if FP8:
+        k = quantize_e4m3(k.to(tl.float32), k_scale, INTERPRET)
+        v = quantize_e4m3(v.to(tl.float32), v_scale, INTERPRET)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value `[T, Hkv, D]` into `kv_layer` at `slot_mapping` (semantics: `ops.ref_write_kv`)."""
     num_tokens, n_heads, head_dim = key.shape
@@ -60,6 +75,8 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         n_heads,
         key.stride(0),
         key.stride(1),
@@ -72,6 +89,8 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(n_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=kv_layer.dtype == torch.float8_e4m3fn,
+        INTERPRET=INTERPRET,
         num_warps=4,
         **pdl_options(key),
     )
@@ -114,7 +133,9 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (n_pairs, 2 * num_layers, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
-        kv_cache,
+        kv_cache.view(torch.uint8)
+        if kv_cache.dtype == torch.float8_e4m3fn
+        else kv_cache,  # bytes, as they are
         mapping,
         kv_cache.stride(0),
         kv_cache.stride(1),

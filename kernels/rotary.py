@@ -1,5 +1,6 @@
 """Neox-style rotary embedding of q and k: one program per token, every head of both in one pass; and the same
-fused with the KV cache write (the rotated keys and the values go straight into their slots)."""
+fused with the KV cache write (the rotated keys and the values go straight into their slots, quantized there
+when the cache is FP8)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import INTERPRET, quantize_e4m3
 from .pdl import pdl_options, pdl_start
 
 
@@ -26,9 +28,13 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     store,
+    scale,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given, into
-    row t of o_ptr (nothing is read or written unless `store`)."""
+    row t of o_ptr (nothing is read or written unless `store`); with FP8, quantized with `scale` after the
+    rounding to x's dtype (as the rotary embedding, then the cache write, would store them)."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     ok = (heads[:, None] < n_heads) & (cols[None, :] < HALF) & store
@@ -36,9 +42,14 @@ def _rotate_heads(
     x1 = tl.load(x_lo, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_lo + HALF, mask=ok, other=0.0).to(tl.float32)
     o_lo = o_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    lo = x1 * cos - x2 * sin
+    hi = x2 * cos + x1 * sin
+    if FP8:
+        lo = quantize_e4m3(lo.to(x_ptr.dtype.element_ty).to(tl.float32), scale, INTERPRET)
+        hi = quantize_e4m3(hi.to(x_ptr.dtype.element_ty).to(tl.float32), scale, INTERPRET)
     dtype = o_ptr.dtype.element_ty
-    tl.store(o_lo, (x1 * cos - x2 * sin).to(dtype), mask=ok)
-    tl.store(o_lo + HALF, (x2 * cos + x1 * sin).to(dtype), mask=ok)
+    tl.store(o_lo, lo.to(dtype), mask=ok)
+    tl.store(o_lo + HALF, hi.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -96,6 +107,9 @@ def _rotary_kernel(
         BLOCK_HQ,
         BLOCK_HALF,
         True,
+        1.0,
+        False,
+        False,
     )
     _rotate_heads(
         k_ptr,
@@ -112,6 +126,9 @@ def _rotary_kernel(
         BLOCK_HK,
         BLOCK_HALF,
         True,
+        1.0,
+        False,
+        False,
     )
 
 
@@ -175,6 +192,8 @@ def _rotary_write_kv_kernel(
     q_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale,
+    v_scale,
     n_q_heads,
     n_k_heads,
     stride_qt,
@@ -194,29 +213,33 @@ def _rotary_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token: its q heads rotated into q_out; its k heads rotated and its v heads copied into its cache slot
-    (none when the slot is negative)."""
+    (none when the slot is negative), quantized with `k_scale` and `v_scale` into an FP8 cache."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
-        BLOCK_HALF, True,
+        BLOCK_HALF, True, 1.0, False, False,
     )  # fmt: skip
     # The slot as row 0 of the cache, its heads strided: the rotated keys land where the write would put them.
     in_cache = slot >= 0
     slot_off = tl.where(in_cache, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct, 0)
     _rotate_heads(
         k_ptr, k_cache_ptr + slot_off, t, stride_kt, stride_kh, 0, stride_ch, n_k_heads, cos, sin, HALF, BLOCK_HK,
-        BLOCK_HALF, in_cache,
+        BLOCK_HALF, in_cache, k_scale, FP8, INTERPRET,
     )  # fmt: skip
     heads = tl.arange(0, BLOCK_HK)
     dims = tl.arange(0, 2 * BLOCK_HALF)
     ok = (heads[:, None] < n_k_heads) & (dims[None, :] < 2 * HALF) & in_cache
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)
+    if FP8:
+        v = quantize_e4m3(v.to(tl.float32), v_scale, INTERPRET)
     dst = v_cache_ptr + slot_off + heads[:, None] * stride_ch + dims[None, :]
     tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
@@ -229,6 +252,8 @@ def rotary_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q rotated (a new tensor); k rotated and v written into `kv_layer` at `slot_mapping`, in one launch
     (semantics: `ops.ref_rotary_embedding`, then `ops.ref_write_kv` of the rotated k)."""
@@ -248,6 +273,8 @@ def rotary_write_kv(
             q_out,
             k_cache,
             v_cache,
+            float(k_scale),
+            float(v_scale),
             n_q_heads,
             n_k_heads,
             q.stride(0),
@@ -263,6 +290,8 @@ def rotary_write_kv(
             k_cache.stride(2),
             cos_sin_cache.stride(0),
             BLOCK_SIZE=kv_layer.shape[2],
+            FP8=kv_layer.dtype == torch.float8_e4m3fn,
+            INTERPRET=INTERPRET,
             **args,
             **pdl_options(q),
         )

@@ -69,9 +69,12 @@ def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
         "BLOCK_HALF": 64,
         "BLOCK_HQ": 32,
         "BLOCK_HK": 8,
+        "FP8": False,
+        "INTERPRET": False,
         "USE_PDL": True,
     }
-    signature = pointers | dict.fromkeys(ints, "i64") | dict.fromkeys(constexprs, "constexpr")
+    scales = {"k_scale": "fp32", "v_scale": "fp32"}
+    signature = pointers | scales | dict.fromkeys(ints, "i64") | dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=_rotary_write_kv_kernel, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
@@ -103,12 +106,17 @@ _PDL_KERNELS = {
     "gemv._gemv_kernel": {"HAS_BIAS": False, "SCALED": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
     "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "FP8_OUT": False, "BLOCK": 4096, "INTERPRET": False},
     "activation._silu_and_mul_kernel": {"BLOCK": 1024},
-    "cache._write_kv_kernel": {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128},
+    "cache._write_kv_kernel": {
+        "BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8": False, "INTERPRET": False,
+    },
     "rotary._rotary_kernel": {"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
-    "rotary._rotary_write_kv_kernel": {"BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
+    "rotary._rotary_write_kv_kernel": {
+        "BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "FP8": False,
+        "INTERPRET": False,
+    },
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
-        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32",
+        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
     },
     "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
 }  # fmt: skip
@@ -119,7 +127,7 @@ def _arg_type(name: str) -> str:
         if any(s in name for s in ("loc", "lens", "order", "tables", "slot", "pos")):
             return "*i32"
         return "*fp32" if name.startswith("part_") or name == "cache_ptr" else "*bf16"
-    return "fp32" if name in ("eps", "qk_scale") else "i32"
+    return "fp32" if name in ("eps", "qk_scale", "k_scale", "v_scale") else "i32"
 
 
 @pytest.mark.parametrize("name", sorted(_PDL_KERNELS))
@@ -196,3 +204,33 @@ def test_fp8_kernels_compile_for_hopper(name: str) -> None:
 
 def test_pdl_off_on_the_cpu() -> None:
     assert pdl_options(torch.zeros(1)) == {"USE_PDL": False, "launch_pdl": False}
+
+
+# The FP8 KV cache's kernels (kv_cache_dtype="fp8"), as a step of the 8B shape launches them: the cache E4M3.
+_FP8_KV_KERNELS = {
+    "cache._write_kv_kernel": _PDL_KERNELS["cache._write_kv_kernel"] | {"FP8": True},
+    "rotary._rotary_write_kv_kernel": _PDL_KERNELS["rotary._rotary_write_kv_kernel"] | {"FP8": True},
+    "attention._paged_attn_kernel": _PDL_KERNELS["attention._paged_attn_kernel"] | {"KV_FP8": True},
+    "attention._paged_attn_kernel:prefill": _PDL_KERNELS["attention._paged_attn_kernel"]
+    | {"KV_FP8": True, "DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_M": 128, "BLOCK_Q": 32},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FP8_KV_KERNELS))
+def test_fp8_kv_kernels_compile_for_hopper(name: str) -> None:
+    """With an E4M3 cache the writes quantize with IEEE division and the hardware's saturating conversion (the
+    interpreter's emulation compiled out), and attention converts what it loads from E4M3."""
+    module, fn_name = name.partition(":")[0].split(".")
+    fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
+    constexprs = _FP8_KV_KERNELS[name] | {"USE_PDL": True}
+    cache_args = {"k_cache_ptr", "v_cache_ptr", "kv_ptr"}
+    signature = {
+        a: "constexpr" if a in constexprs else "*fp8e4nv" if a in cache_args else _arg_type(a)
+        for a in fn.arg_names
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    if module == "attention":
+        assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx
+    else:
+        assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx

@@ -132,6 +132,9 @@ SERVE_DEFAULTS = {"max_num_batched_tokens": 512}
 # shape compile Triton kernels (seconds each).
 STALL_TIMEOUT_S = 300.0
 
+# vLLM's names: "fp8" is E4M3 (float8_e4m3fn). E5M2 (a 2-bit mantissa) is not run.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -155,6 +158,12 @@ class EngineConfig:
         "quantize the linear layers' weights at load (fp8: E4M3 per output channel, activations per token); "
         "default: as the checkpoint's quantization_config says (docs/quantization.md)",
         choices=QUANTIZATIONS,
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "the KV cache's dtype: auto is the model's; fp8 (alias fp8_e4m3) stores E4M3 with a scale per layer for "
+        "keys and one for values, from the checkpoint or calibrated at startup (docs/quantization.md)",
+        choices=KV_CACHE_DTYPES,
     )
     seed: int = _arg(0, "seed of the random draws of requests without a seed of their own")
     block_size: int = _arg(16, "tokens per KV cache block", choices=(1, 2, 4, 8, 16, 32, 64, 128))

@@ -3,7 +3,10 @@
 The KV cache of a model is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
 a layer's slice `kv_layer = kv_cache[i]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values).
 A slot is `block_id * block_size + offset`; token N of a sequence lives in slot
-`block_table[N // block_size] * block_size + N % block_size`.
+`block_table[N // block_size] * block_size + N % block_size`. A cache in float8_e4m3fn (`kv_cache_dtype="fp8"`)
+holds `fp8(x / scale)` with one float32 scale per layer for keys (`k_scale`) and one for values (`v_scale`):
+the ops that write it quantize (`model/quant/e4m3.py`'s `quantize`), those that read it dequantize (`stored *
+scale`, in float32); the scales are ignored for a cache in any other dtype. Block moves copy its bytes.
 
 Setting TRITON_INTERPRET=1 (before import) routes CPU tensors through the Triton kernels too, so that the
 kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 (or entering
@@ -11,7 +14,7 @@ kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 
 ones under the interpreter), e.g. to check the kernels' numerics end to end on a GPU (the model runner then runs
 every step eagerly) or under the interpreter.
 
-One job, in about 450 lines: the op set, each op once as its torch reference (the specification the kernels are
+One job, in about 500 lines: the op set, each op once as its torch reference (the specification the kernels are
 tested against) and once as the facade's dispatch between that reference and its kernel; the model, the runner
 and the kernel tests all reach ops through this one module, so an op's definition and its dispatch are never
 two places apart. The kernels themselves are in kernels/, one a file.
@@ -83,16 +86,43 @@ def ref_rotary_embedding(
     return rotate(q), rotate(k)
 
 
+def _is_fp8(cache: torch.Tensor) -> bool:
+    """Whether a KV cache (or a layer of it) holds FP8 values, with scales."""
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def _as_stored(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as a cache of `cache`'s dtype stores it: cast, or quantized with `scale` (FP8, seen as its bytes:
+    torch's CPU indexing ops do not take float8)."""
+    if not _is_fp8(cache):
+        return x.to(cache.dtype)
+    from tinypaged.model.quant.e4m3 import quantize
+
+    # A tensor scale on x's device: a CUDA division by a host scalar multiplies by its reciprocal instead.
+    return quantize(x, torch.tensor(scale, dtype=torch.float32, device=x.device)).view(torch.uint8)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its bytes (the same memory), any other as it is."""
+    return cache.view(torch.uint8) if _is_fp8(cache) else cache
+
+
 def ref_write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write key/value `[T, Hkv, D]` into the cache at `slot_mapping` `[T]`; negative slots are skipped."""
+    """Write key/value `[T, Hkv, D]` into the cache at `slot_mapping` `[T]`; negative slots are skipped. An FP8
+    cache stores `fp8(key / k_scale)` and `fp8(value / v_scale)`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat = kv_layer.flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D], a view
+    flat = _bytes(kv_layer).flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D], a view
     # index_copy_/index_select copy whole rows: several times faster on the CPU than advanced indexing.
-    flat[0].index_copy_(0, slots, key[keep].to(kv_layer.dtype))
-    flat[1].index_copy_(0, slots, value[keep].to(kv_layer.dtype))
+    flat[0].index_copy_(0, slots, _as_stored(key[keep], kv_layer, k_scale))
+    flat[1].index_copy_(0, slots, _as_stored(value[keep], kv_layer, v_scale))
 
 
 def ref_rotary_write_kv(
@@ -103,26 +133,39 @@ def ref_rotary_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q and k rotated (`ref_rotary_embedding`), the rotated k and v written at `slot_mapping` (`ref_write_kv`);
     returns the rotated q."""
     q, k = ref_rotary_embedding(positions, q, k, cos_sin_cache)
-    ref_write_kv(k, v, kv_layer, slot_mapping)
+    ref_write_kv(k, v, kv_layer, slot_mapping, k_scale, v_scale)
     return q
 
 
 def gather_context(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, length: int
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
-    """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`."""
+    """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`
+    (an FP8 cache's dequantized with its scales, in float32)."""
     block_size = kv_layer.shape[2]
     pos = torch.arange(length, device=kv_layer.device)
     slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
     # Padding entries of a block table (past a sequence's length, masked by the caller) may be negative.
     idx = slots.clamp_(min=0).flatten()
-    flat = kv_layer.flatten(1, 2)
+    flat = _bytes(kv_layer).flatten(1, 2)
     shape = (*slots.shape, *flat.shape[2:])
-    return flat[0].index_select(0, idx).view(shape), flat[1].index_select(0, idx).view(shape)
+    k, v = flat[0].index_select(0, idx).view(shape), flat[1].index_select(0, idx).view(shape)
+    if not _is_fp8(kv_layer):
+        return k, v
+    from tinypaged.model.quant.e4m3 import dequantize
+
+    fp8 = kv_layer.dtype
+    return dequantize(k.view(fp8), torch.tensor(k_scale)), dequantize(v.view(fp8), torch.tensor(v_scale))
 
 
 def ref_paged_attention(
@@ -132,14 +175,18 @@ def ref_paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of a ragged batch over their sequences' paged KV cache.
 
     q: `[T, Hq, D]`, the new tokens of B sequences back to back; `query_start_loc` `[B + 1]` delimits them.
     `seq_lens` `[B]`: each sequence's length including its new tokens (whose K/V are already written), so the
     j-th new token of sequence i sits at position `seq_lens[i] - q_len_i + j` and sees positions up to it.
-    `block_tables` `[B, max_blocks]` (int32, padded). Returns `[T, Hq, D]`.
+    `block_tables` `[B, max_blocks]` (int32, padded). Returns `[T, Hq, D]`. An FP8 cache is read dequantized
+    (`gather_context`).
     """
+    scales = (k_scale, v_scale)
     out = torch.empty_like(q)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     lens = seq_lens.tolist()
@@ -148,7 +195,7 @@ def ref_paged_attention(
     if decode:  # one batched call for all single-token queries: a padded context and a length mask
         idx = torch.tensor(decode, device=q.device)
         max_len = max(lens[i] for i in decode)
-        k, v = gather_context(kv_layer, block_tables[idx], max_len)
+        k, v = gather_context(kv_layer, block_tables[idx], max_len, *scales)
         rows = query_start_loc[idx].long()
         mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[idx][:, None]
         o = F.scaled_dot_product_attention(
@@ -164,7 +211,7 @@ def ref_paged_attention(
         if n <= 1:
             continue
         length = lens[i]
-        k, v = gather_context(kv_layer, block_tables[i : i + 1], length)
+        k, v = gather_context(kv_layer, block_tables[i : i + 1], length, *scales)
         qpos = torch.arange(length - n, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(
@@ -188,7 +235,8 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy whole blocks `src -> dst` (rows of `block_mapping` `[N, 2]`) in every layer, keys and values."""
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
-    kv_cache[:, :, dst] = kv_cache[:, :, src]
+    cache = _bytes(kv_cache)
+    cache[:, :, dst] = cache[:, :, src]
 
 
 def ref_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -350,25 +398,33 @@ def rotary_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotary embedding of q (returned) and k, with the rotated keys and the values written into their slots
     (`ref_rotary_embedding`, then `ref_write_kv`): the attention reads the new keys from the cache."""
+    args = (positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping, k_scale, v_scale)
     if uses_triton(q):
         from tinypaged.kernels import rotary_write_kv as kernel
 
-        return kernel(positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping)
-    return ref_rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping)
+        return kernel(*args)
+    return ref_rotary_write_kv(*args)
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new keys and values into their slots (see `ref_write_kv`)."""
     if uses_triton(key):
         from tinypaged.kernels import write_kv as kernel
 
-        return kernel(key, value, kv_layer, slot_mapping)
-    return ref_write_kv(key, value, kv_layer, slot_mapping)
+        return kernel(key, value, kv_layer, slot_mapping, k_scale, v_scale)
+    return ref_write_kv(key, value, kv_layer, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -382,12 +438,15 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     seq_order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`).
 
     `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
     under CUDA graphs). `seq_order` (the sequences longest first) only schedules the kernel's programs.
+    `k_scale` and `v_scale`: an FP8 cache's scales (fixed once loaded, so a captured graph keeps them).
     """
     if uses_triton(q):
         from tinypaged.kernels import paged_attention as kernel
@@ -402,8 +461,10 @@ def paged_attention(
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             seq_order=seq_order,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
-    return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale)
+    return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -429,7 +490,7 @@ def swap_blocks(
     # waits for the device: the host scatters it at once, and a non-blocking copy (into pinned memory) may still
     # be on its way then. Towards the device the scatter is queued behind the copy on the same stream.
     to_host = dst_cache.device.type == "cpu"
-    dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device, non_blocking=not to_host)
+    _bytes(dst_cache)[:, :, dst] = _bytes(src_cache)[:, :, src].to(dst_cache.device, non_blocking=not to_host)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -146,17 +146,34 @@ def _compressed_tensors(raw: dict[str, Any], layer: str, where: str) -> Scheme |
     for key in ("sparsity_config", "transform_config"):
         if raw.get(key):
             raise ConfigError(f"{where}: layer {layer}: compressed-tensors {key} is not run by tinypaged")
-    if raw.get("kv_cache_scheme"):
-        raise ConfigError(
-            f"{where}: compressed-tensors kv_cache_scheme {raw['kv_cache_scheme']} is not run by tinypaged yet "
-            "(the KV cache stays in the model's dtype)"
-        )
+    _check_kv_cache_scheme(raw.get("kv_cache_scheme"), where)
     if _matches(layer, raw.get("ignore") or []):
         return None
     for group in (raw.get("config_groups") or {}).values():
         if _matches(layer, group.get("targets") or []):
             return _ct_scheme(group, group.get("format") or raw.get("format"), layer, where)
     return None
+
+
+def _check_kv_cache_scheme(kv: dict[str, Any] | None, where: str) -> None:
+    """A compressed-tensors `kv_cache_scheme` must be what the FP8 KV cache runs: E4M3 with one static
+    symmetric scale per layer for keys and one for values (its `k_scale` / `v_scale`, read with
+    `kv_cache_dtype="fp8"`; with "auto" the cache keeps the model's dtype and they are not read)."""
+    if not kv:
+        return
+    fp8_tensor = (
+        kv.get("num_bits") == 8
+        and kv.get("type") == "float"
+        and kv.get("strategy", "tensor") == "tensor"
+        and not kv.get("dynamic")
+        and kv.get("symmetric", True)
+    )
+    if not fp8_tensor:
+        raise ConfigError(
+            f"{where}: compressed-tensors kv_cache_scheme {kv} is not run by tinypaged: its FP8 KV cache takes "
+            "one static symmetric E4M3 scale per layer for keys and one for values (num_bits 8, type float, "
+            "strategy tensor)"
+        )
 
 
 def _ct_describe(w: dict | None, a: dict | None) -> str:

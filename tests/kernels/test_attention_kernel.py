@@ -1,4 +1,5 @@
-"""Paged attention kernel against `ref_paged_attention` on small ragged batches (Triton interpreter)."""
+"""Paged attention kernel against `ref_paged_attention` on small ragged batches (Triton interpreter), over caches in
+the query's dtype and in FP8 with scales."""
 
 from __future__ import annotations
 
@@ -193,3 +194,30 @@ def test_decode_padding_rows_are_zeros(splits: int) -> None:
     attention.paged_attention(q_pad, kv, bt_pad, lens_pad, qsl_pad, scale, out=out, num_kv_splits=splits)
     assert (out[3:] == 0).all()
     torch.testing.assert_close(out[:3], real, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "ctx_lens", "g", "dtype", "splits"),
+    [
+        ([1, 9, 1, 23, 4], [37, 0, 5, 18, 50], 4, torch.float32, 1),  # prefill chunks beside decodes, GQA
+        ([1, 9, 1, 23, 4], [37, 0, 5, 18, 50], 1, torch.float16, 3),  # split-KV decodes, no GQA
+        ([1, 1, 1], [70, 0, 33], 3, torch.float32, 2),  # decode only, split
+    ],
+)
+def test_fp8_cache(q_lens: list[int], ctx_lens: list[int], g: int, dtype: torch.dtype, splits: int) -> None:
+    """An FP8 cache with scales != 1 (keys converted as they are loaded, k_scale in the softmax scale, v_scale on
+    the output or the split partials) against the reference's dequantized reading."""
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, ctx_lens, 2, g, 64, 8, torch.float32, seed=g + splits)
+    k_scale, v_scale = 0.02, 0.01  # random keys and values of about +-4 stored up to +-200 and +-400
+    cache = torch.zeros(kv.shape, dtype=torch.float8_e4m3fn)
+    flat = kv.flatten(1, 2)
+    ops.ref_write_kv(flat[0], flat[1], cache, torch.arange(flat.shape[1]), k_scale, v_scale)
+    q, scale = q.to(dtype), q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    attention.paged_attention(q, cache, bt, seq_lens, qsl, scale, out=out, num_kv_splits=splits, **scales)
+    want = ops.ref_paged_attention(q, cache, bt, seq_lens, qsl, scale, **scales)
+    check(out, want)
+    # The scales are read: the same bytes at scale 1 give another output.
+    plain = ops.ref_paged_attention(q, cache, bt, seq_lens, qsl, scale)
+    assert ((plain - want).norm() / want.norm()).item() > 0.1

@@ -60,3 +60,25 @@ def test_rotary_write_kv(dtype: torch.dtype, head_dim: int, heads: tuple[int, in
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[slots[slots >= 0].long()] = False
     assert got_kv.flatten(1, 2)[:, untouched].equal(kv.flatten(1, 2)[:, untouched])
+
+
+@pytest.mark.parametrize(("dtype", "scales"), [(torch.float32, (1.0, 1.0)), (torch.float16, (0.05, 3.0))])
+def test_rotary_write_kv_fp8(dtype: torch.dtype, scales: tuple[float, float]) -> None:
+    """Into an FP8 cache: the bytes of the reference's rotary (rounded to the model's dtype) then quantization
+    with the layer's scales; q as without FP8."""
+    n_q, n_kv, head_dim = 6, 2, 64
+    gen = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(11, n_q + 2 * n_kv, head_dim, generator=gen) * 4).to(dtype)
+    q, k, v = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv], qkv[:, n_q + n_kv :]
+    positions = torch.randint(0, 500, (11,), generator=gen)
+    cache = cos_sin_cache(512, head_dim)
+    kv = torch.randn(2, 6, 4, n_kv, head_dim, generator=gen).to(torch.float8_e4m3fn)
+    slots = torch.randperm(24, generator=gen)[:11].to(torch.int32)
+    slots[[2, 7]] = -1
+    want_kv = kv.clone()
+    want_q = ops.ref_rotary_write_kv(positions, q, k, v, cache, want_kv, slots, *scales)
+    got_q = ops.rotary_write_kv(positions, q, k, v, cache, kv, slots, *scales)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=0)
+    diff = kv.view(torch.uint8).int() - want_kv.view(torch.uint8).int()
+    # An fp16 rotation may differ from torch's in its last bit, which can move it to the neighbouring E4M3 value.
+    assert diff.abs().max() <= (0 if dtype == torch.float32 else 1) and diff.count_nonzero() <= 4

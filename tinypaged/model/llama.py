@@ -96,6 +96,10 @@ class Attention(nn.Module):
         o_bias = cfg.attention_bias and tp.rank == 0
         self.o_proj = linear(quant, f"{prefix}.o_proj", self.q_size, (cfg.hidden_size,), o_bias)
         self.scale = self.head_dim**-0.5
+        # An FP8 KV cache's scales (stored = fp8(x / scale), read = stored * scale): plain floats, fixed once the
+        # runner has set them (the checkpoint's, or calibrated), so that CUDA graphs capture them as they are.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.tp = tp
 
     def forward(
@@ -111,7 +115,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping, **scales)
         out = ops.paged_attention(
             q,
             kv_layer,
@@ -122,6 +127,7 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
+            **scales,
         )
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 

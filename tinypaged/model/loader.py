@@ -4,6 +4,7 @@ this rank's share of it under tensor parallelism (each rank reads only its slice
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
-# A quantized checkpoint's KV-cache scales, for an FP8 KV cache (not built yet: the cache keeps the model's dtype).
-_KV_SCALES = (".k_scale", ".v_scale")
+# A quantized checkpoint's KV-cache scales, read by `kv_cache_scales` (for an FP8 KV cache), not as parameters:
+# compressed-tensors' and vLLM's `self_attn.k_scale` / `v_scale`, ModelOpt's `self_attn.k_proj.k_scale` /
+# `v_proj.v_scale`, and the older single `self_attn.kv_scale` of both.
+_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_proj\.)?([kv]v?)_scale$")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -256,3 +260,33 @@ def _checkpoint_names(cfg: ModelConfig, linears: dict[str, Linear]) -> list[str]
             layer = linears[f"layers.{i}.{_FUSED.get(module, (module, 0))[0]}"]
             names += [f"model.layers.{i}.{module}.{suffix}" for suffix in layer.method.tensors()]
     return names
+
+
+def kv_cache_scales(cfg: ModelConfig) -> list[tuple[float, float]] | None:
+    """The checkpoint's FP8 KV-cache scales, (k_scale, v_scale) of each layer; None when it has none. One scale
+    a layer for keys and one for values (per-tensor, as compressed-tensors' `kv_cache_scheme` with strategy
+    `tensor` writes them); a scale per head, a layer without scales, or a scale that is not a positive finite
+    number is a ConfigError."""
+    found: dict[tuple[int, str], float] = {}
+    for file in checkpoint_files(cfg.path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                m = _KV_SCALE.match(name)
+                if not m or (m.group(2) and m.group(2) != m.group(3)):
+                    continue
+                value = f.get_tensor(name).float()
+                if value.numel() != 1 or not (math.isfinite(value.item()) and value.item() > 0):
+                    raise ConfigError(
+                        f"KV-cache scale {name!r} in {cfg.path} must be one positive number (a scale per layer; "
+                        f"per-head scales are not run), got shape {tuple(value.shape)}"
+                    )
+                for kind in ("k", "v") if m.group(3) == "kv" else (m.group(3),):
+                    found[(int(m.group(1)), kind)] = value.item()
+    if not found:
+        return None
+    missing = [f"{k}_scale of layer {i}" for i in range(cfg.num_layers) for k in "kv" if (i, k) not in found]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {cfg.path} has KV-cache scales but lacks {len(missing)}, e.g. {missing[0]}"
+        )
+    return [(found[(i, "k")], found[(i, "v")]) for i in range(cfg.num_layers)]

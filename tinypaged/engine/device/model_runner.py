@@ -29,6 +29,7 @@ import torch
 from tinypaged import ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import SchedulerOutput
+from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
 from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.model import AttentionMetadata, load_model
 from tinypaged.model.parallel import TPGroup
@@ -107,6 +108,8 @@ class RunnerStats:
     profile_activation_bytes: int = 0
     non_torch_bytes: int = 0
     kv_cache_bytes: int = 0
+    kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
+    kv_scales: str = ""  # where an FP8 cache's scales came from
     graph_capture_s: float = 0.0
     graph_pool_bytes: int = 0
     graph_batch_sizes: list[int] = field(default_factory=list)
@@ -137,6 +140,9 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)
+        # Checked before anything is loaded: a GPU without FP8 refuses an FP8 cache at once.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.stats.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
         if self.device.type == "cuda":
             ops.prefer_cublaslt()
         t0 = time.perf_counter()
@@ -148,8 +154,12 @@ class ModelRunner:
         self.block_size = config.block_size
         kv_start, kv_end = self.tp.kv_heads(mcfg.num_kv_heads)
         self.num_kv_heads = kv_end - kv_start  # this rank's
+        # Before the graphs are captured: they keep the scales they see.
+        self.stats.kv_scales = set_kv_scales(
+            self.model, config, self.kv_dtype, self.tp, lambda p: self._prefill(p, self.dtype)[2]
+        )
         shape = (mcfg.num_layers, 2, self.block_size, self.num_kv_heads, mcfg.head_dim)
-        self.block_bytes = torch.Size(shape).numel() * torch.tensor([], dtype=self.dtype).element_size()
+        self.block_bytes = torch.Size(shape).numel() * self.kv_dtype.itemsize
         self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         max_graph_tokens = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
         self._token_sizes = graph_token_sizes(max_graph_tokens) if self.use_cuda_graphs else []
@@ -181,10 +191,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_logits()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB), swap: %d blocks; CUDA graphs for decode batches %s "
-            "and steps of %s tokens",
+            "KV cache: %d blocks of %d tokens in %s (%.2f GiB), swap: %d blocks; CUDA graphs for decode batches "
+            "%s and steps of %s tokens",
             self.num_gpu_blocks,
             self.block_size,
+            self.stats.kv_cache_dtype,
             self.num_gpu_blocks * self.block_bytes / GiB,
             self.num_cpu_blocks,
             self._graph_sizes or "(none)",
@@ -192,12 +203,17 @@ class ModelRunner:
         )
 
     def _allocate(
-        self, num_blocks: int, device: torch.device, pin: bool = False, zero: bool = False
+        self,
+        num_blocks: int,
+        device: torch.device,
+        pin: bool = False,
+        zero: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         m = self.config.model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, m.head_dim)
         make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=self.dtype, device=device, pin_memory=pin)
+        return make(shape, dtype=dtype or self.kv_dtype, device=device, pin_memory=pin)
 
     # ---- memory ------------------------------------------------------------------------------------------
 
@@ -422,9 +438,20 @@ class ModelRunner:
         """fp32 logits `[P, vocab]` of every position of each prompt (on the CPU), by one eager ragged prefill
         into a scratch paged cache: what the engine's first step computes for them, outside its steps (the
         engine's cache is untouched). Under tensor parallelism every rank must run it (executor.py)."""
+        hidden, starts, _ = self._prefill(prompts)
+        logits = self.model.compute_logits(hidden).float()
+        return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _prefill(
+        self, prompts: list[list[int]], kv_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """One eager ragged prefill of the prompts into a zeroed scratch cache (of `kv_dtype`, by default the
+        runner's) whose blocks they take in turn: (hidden states of every position, the prompts' first rows and
+        the end, the cache)."""
         bs, dev = self.block_size, self.device
         widths = [-(-len(p) // bs) for p in prompts]
-        kv = self.allocate_kv_cache(sum(widths))
+        kv = self._allocate(sum(widths), dev, zero=True, dtype=kv_dtype)
         tables, slots, first = [], [], 0
         for p, w in zip(prompts, widths, strict=True):
             table = list(range(first, first + w))
@@ -440,8 +467,7 @@ class ModelRunner:
         )
         ids = torch.tensor([t for p in prompts for t in p], device=dev)
         pos = torch.tensor([i for p in prompts for i in range(len(p))], device=dev)
-        logits = self.model.compute_logits(self.model(ids, pos, kv, meta)).float()
-        return [logits[starts[i] : starts[i + 1]].cpu() for i in range(len(prompts))]
+        return self.model(ids, pos, kv, meta), starts, kv
 
     def release(self) -> None:
         """Free the weights, the KV caches and the CUDA graphs (e.g. before another model loads in the same

@@ -23,10 +23,10 @@ from typing import NamedTuple
 import torch
 
 from tinypaged import ops
+from tinypaged.model.quant.e4m3 import FP8_DTYPE as FP8_DTYPE  # linear.py reads it here
+from tinypaged.model.quant.e4m3 import FP8_MAX, dequantize, quantize
 from tinypaged.quantization import Fp8Scheme
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite E4M3 value
 # The smallest scale a dynamic quantization takes, so that an all-zero row or tensor quantizes to zeros.
 MIN_SCALE = 1e-12
 # Steps of up to GEMV_ROWS rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), up to GEMM_ROWS
@@ -49,11 +49,6 @@ class Fp8Activation(NamedTuple):
     def shape(self) -> torch.Size:
         """The rows' shape, as a tensor's (so that code reading `x.shape` takes either)."""
         return self.q.shape
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x / scale` (in float32, scale broadcast against x) saturated to +-448 and rounded to E4M3."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dynamic_scale(x: torch.Tensor, dim: int | None = -1) -> torch.Tensor:
@@ -83,21 +78,6 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(t, -1, group)
     scale = dynamic_scale(padded)
     return quantize(padded, scale).view(t, -1)[:, :k], scale[..., 0]
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 values times `scale` (broadcast against them), in float32: exact.
-
-    On the CPU, torch's cast from float8 is scalar code (about 20 ns a value on a 2-core AVX2 machine); here
-    the E4M3 bits are moved into a float16's instead (sign, then exponent and mantissa shifted into place: the
-    exponent bias is 15 rather than 7, so the float16 holds the value over 2^8, subnormals included), which the
-    CPU converts with vector instructions, 6x faster. The two NaN codes, which `quantize` never writes, read as
-    +-480 there."""
-    if q.device.type != "cpu":
-        return q.float() * scale
-    b = q.view(torch.uint8).to(torch.int16)
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return bits.view(torch.float16).float() * (scale.float() * 2.0**8)
 
 
 def dequantize_weight(
