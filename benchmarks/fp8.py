@@ -7,6 +7,7 @@ Two parts, each a run of its own (under 10 minutes on one H200), the engines one
   decode tokens/s (CUDA graphs), each against its roofline counting the bytes and FLOPs of its own dtypes; and
   accuracy against the f32 engine on the same weights: per-token logprob error of each prompt's actual next
   tokens (teacher-forced prompt logprobs; mean, p99, max of |difference|) and greedy agreement over 32 prompts.
+  With `--profile`, each engine's decode steps are also profiled by kernel class (W1's and batch-1's).
 - `--part kv-bound`: a workload bound by KV memory by construction, FP8 weights in both engines and the KV
   dtype the only difference. 512 requests at once, prompts uniform in [1024, 4096] tokens, outputs uniform in
   [256, 1024] (random token ids, EOS ignored, seed 2); `max_num_seqs` 1024; the KV cache capped at the bytes of
@@ -48,7 +49,9 @@ from common import (
     layer_params,
     make_workload,
     prefill_flops,
+    profile_steps,
     prompt_logits,
+    random_prompt,
     run_latency,
     w1_engine_args,
     write_json,
@@ -134,6 +137,27 @@ def accuracy(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def profile_decode(llm: LLM, work: Work) -> dict[str, Any]:
+    """Device time by kernel class (`common.profile_steps`) over 20 of W1's decode steps (from step 40, after its
+    prefills) and over 40 steps of one request decoding alone (batch-1)."""
+    engine = llm.engine
+    for i, (p, o) in enumerate(work):
+        engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, greedy(o))
+    for _ in range(40):
+        engine.step()
+    out = {"w1_decode": profile_steps(llm, 20)}
+    while engine.has_unfinished_requests():
+        engine.step()
+    prompt = random_prompt(np.random.default_rng(3), 512, llm.config.model_config.vocab_size)
+    engine.add_request("prof-b1", prompt, greedy(128))
+    for _ in range(20):
+        engine.step()
+    out["batch1"] = profile_steps(llm, 40)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out
+
+
 # ---- parts -----------------------------------------------------------------------------------------------------
 
 
@@ -182,6 +206,8 @@ def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
             step_bytes = weight_bytes(cfg, fp8_w) + ctx * kv_bytes_per_token(cfg, kv_elem)
             lat["roofline_tokens_per_s"] = COPY_TBPS * 1e12 / step_bytes
             lat["fraction_of_roofline"] = lat["graphs"]["decode_tokens_per_s"] / lat["roofline_tokens_per_s"]
+        if args.profile:
+            guarded(out, "profile", lambda llm=llm: profile_decode(llm, work))
         free_llm(llm)
         write_json(args.json, res)
 
@@ -252,6 +278,15 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{acc.get('greedy_identical', '-'):>4}/{acc.get('greedy_prompts', '-'):<2} "
                 f"{acc.get('greedy_mean_prefix_share', float('nan')):6.3f}"
             )
+    for name, e in engines.items():
+        for where, prof in e.get("profile", {}).items():
+            if "by_class_s" not in prof:
+                continue
+            per = {c: f"{1e3 * t / prof['steps']:.2f}" for c, t in prof["by_class_s"].items()}
+            print(
+                f"{name} {where} ms/step: busy {prof['busy_ms_per_step']:.2f}, "
+                + ", ".join(f"{c} {t}" for c, t in per.items())
+            )
     kv = res.get("kv_bound", {})
     if kv:
         print(
@@ -280,6 +315,7 @@ def main() -> None:
     ap.add_argument("--fp8-tflops", type=float, default=1196.0, help="the FP8 matmul rate (8192^3, measured)")
     ap.add_argument("--bf16-blocks", type=int, default=12800)
     ap.add_argument("--kv-requests", type=int, default=512)
+    ap.add_argument("--profile", action="store_true", help="speed: also profile decode steps by kernel class")
     ap.add_argument("--json", required=True)
     add_w1_args(ap)
     args = ap.parse_args()
