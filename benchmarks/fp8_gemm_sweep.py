@@ -1,0 +1,128 @@
+"""The FP8 linear paths at the 8B layers and 1-256 rows, timed as CUDA-graph replays: bf16 (the Triton GEMV at one
+row, cuBLASLt above), the FP8 GEMV (up to 8 rows), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default
+tiling and the best of a sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch.
+
+Eager timing (`do_bench`) of kernels of 10-50 us measured the host's launch time here (benchmarks/NOTES.md), so each
+figure is the median over 15 replays of a graph of `2 x copies` launches, each launch reading another copy of
+the weights (copies enough to exceed the L2 three times). Relative error against the float32 product of the
+dequantized operands is printed for the Triton matmul. Sets `GEMV_ROWS` and `GEMM_ROWS` in
+`tinypaged/model/quant/fp8.py` and the matmul's `default_config`.
+
+    python3 benchmarks/fp8_gemm_sweep.py --json $OUT/fp8-gemm-sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from common import write_json
+
+from tinypaged.kernels.fp8 import quantize_per_token
+from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm
+from tinypaged.kernels.gemv import fp8_gemv, gemv
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def per_row(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as E4M3 with one dynamic scale a row."""
+    s = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    return (t / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.float()
+
+
+def graph_us(fn: Callable[[int], Any], copies: int) -> float:
+    """Median microseconds of one `fn(i)` launch, from replays of a graph of 2 x copies launches."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    calls = 2 * copies
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in range(calls):
+            fn(c % copies)
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws) -> tuple[float, tuple, list]:
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    rows = []
+    for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 5)):
+        cfg = (block_m, bn, bk, warps, stages)
+        try:
+            rows.append((graph_us(lambda i, c=cfg: fp8_gemm(xq, xs, *ws[i], config=c), copies), cfg))
+        except Exception:  # a tiling past the shared memory: skipped
+            torch.cuda.synchronize()
+    best = min(rows)
+    return best[0], best[1], rows
+
+
+def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: bool) -> dict[str, Any]:
+    """Every path's time at m rows of one layer (weights `ws` E4M3 with scales, `wb` bf16, `copies` of each)."""
+    dev = ws[0][0].device
+    xq, xs = per_row(torch.randn(m, k, device=dev) * 3)
+    xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    ref = (xq.float() * xs) @ (ws[0][0].float() * ws[0][1][:, None]).T
+    err = float((fp8_gemm(xq, xs, *ws[0]).float() - ref).norm() / ref.norm())
+    r: dict[str, Any] = {"n": n, "k": k, "m": m, "rel_err": err}
+    r["bf16_us"] = graph_us(
+        lambda i: gemv(xb, wb[i]) if m == 1 else torch.nn.functional.linear(xb, wb[i]), copies
+    )
+    if m <= 8:
+        r["fp8_gemv_us"] = graph_us(lambda i: fp8_gemv(xq, xs, *ws[i], None, torch.bfloat16), copies)
+    r["quantize_us"] = graph_us(lambda i: quantize_per_token(xb), copies)
+    r["scaled_mm_us"] = graph_us(
+        lambda i: torch._scaled_mm(
+            xq, ws[i][0].t(), scale_a=xs, scale_b=ws[i][1].view(1, n), out_dtype=torch.bfloat16
+        ),
+        copies,
+    )
+    r["fp8_gemm_default"] = default_config(m, n, k)
+    r["fp8_gemm_us"] = graph_us(lambda i: fp8_gemm(xq, xs, *ws[i]), copies)
+    if sweep_too:
+        r["fp8_gemm_best_us"], r["fp8_gemm_best"], r["sweep"] = sweep(m, n, k, copies, xq, xs, ws)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--no-sweep", action="store_true", help="time the default tiling only")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res: list[dict[str, Any]] = []
+    for name, n, k in SHAPES:
+        copies = int(3 * 60e6 // (n * k)) + 1
+        ws = [per_row(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
+        ws = [(q, s[:, 0].contiguous()) for q, s in ws]
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        for m in ROWS:
+            r = {"layer": name, **measure(m, n, k, copies, ws, wb, not args.no_sweep)}
+            res.append(r)
+            write_json(args.json, res)
+    print(
+        f"{'layer':<8} {'M':>4} {'bf16':>7} {'gemv8':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'best':>7} best tiling"
+    )
+    for r in res:
+        print(
+            f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} {r.get('fp8_gemv_us', float('nan')):7.1f} "
+            f"{r['quantize_us']:6.1f} {r['scaled_mm_us']:7.1f} {r['fp8_gemm_us']:7.1f} "
+            f"{r.get('fp8_gemm_best_us', float('nan')):7.1f} {r.get('fp8_gemm_best', '')}"
+        )
+
+
+if __name__ == "__main__":
+    main()
