@@ -191,6 +191,10 @@ def _paged_attn_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        # The dots run in fp16: E4M3 converts to fp16 in one instruction for two values, to bf16 only through
+        # fp16 (one more a value); fp16 also holds q and p more finely than bf16 (sums stay fp32).
+        q = q.to(tl.float16)
 
     # Keys [0, first_pos] are visible to every row; the last row of the block sees keys [0, end).
     first_pos = ctx_len + q_block * BLOCK_Q

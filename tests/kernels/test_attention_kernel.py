@@ -202,6 +202,7 @@ def test_decode_padding_rows_are_zeros(splits: int) -> None:
         ([1, 9, 1, 23, 4], [37, 0, 5, 18, 50], 4, torch.float32, 1),  # prefill chunks beside decodes, GQA
         ([1, 9, 1, 23, 4], [37, 0, 5, 18, 50], 1, torch.float16, 3),  # split-KV decodes, no GQA
         ([1, 1, 1], [70, 0, 33], 3, torch.float32, 2),  # decode only, split
+        ([1, 9, 1, 23, 4], [37, 0, 5, 18, 50], 4, torch.bfloat16, 2),  # bf16 queries: the dots run in fp16
     ],
 )
 def test_fp8_cache(q_lens: list[int], ctx_lens: list[int], g: int, dtype: torch.dtype, splits: int) -> None:
@@ -217,7 +218,12 @@ def test_fp8_cache(q_lens: list[int], ctx_lens: list[int], g: int, dtype: torch.
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     attention.paged_attention(q, cache, bt, seq_lens, qsl, scale, out=out, num_kv_splits=splits, **scales)
     want = ops.ref_paged_attention(q, cache, bt, seq_lens, qsl, scale, **scales)
-    check(out, want)
+    if (
+        dtype == torch.bfloat16
+    ):  # rounded twice: q and p to fp16 for the dots, the output to bf16 (truncated here)
+        assert not out.isnan().any() and ((out.double() - want.double()).norm() / want.double().norm()) < 6e-3
+    else:
+        check(out, want)
     # The scales are read: the same bytes at scale 1 give another output.
     plain = ops.ref_paged_attention(q, cache, bt, seq_lens, qsl, scale)
     assert ((plain - want).norm() / want.norm()).item() > 0.1
