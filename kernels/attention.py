@@ -12,8 +12,9 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
   so that the grid is sized from tensor shapes alone (no host sync).
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
 without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
-An FP8 cache's tiles are converted to the query's dtype as they are loaded (exact: E4M3 values are bf16 values);
-its scales cost nothing per key: k_scale is in the softmax scale, v_scale multiplies a program's output once.
+An FP8 cache's tiles are converted to the query's dtype as they are loaded (exact: E4M3 values are fp16 and bf16
+values; bf16 queries are made fp16 first, E4M3's one-instruction conversion on sm_90); its scales cost nothing per
+key: k_scale is in the softmax scale, v_scale multiplies a program's output once.
 """
 
 from __future__ import annotations
