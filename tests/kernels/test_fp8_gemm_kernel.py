@@ -34,21 +34,25 @@ def test_fp8_gemm_matches_dequantized_product(m: int, n: int, k: int) -> None:
 
 
 def test_fp8_gemm_bf16_out_and_configs() -> None:
-    """bf16 output rounds once at the store; every tiling gives the same sums (one program a tile, no split-K)."""
+    """bf16 output rounds once at the store; every tiling, transposed (row tiles under 64) or not, gives the same
+    sums (one program a tile, no split-K)."""
     xq, xs, wq, ws, bias = operands(20, 72, 256, seed=3)
     ref = want(xq, xs, wq, ws, bias)
     outs = [
         fp8_gemm(xq, xs, wq, ws, bias, config=c)
-        for c in [(16, 32, 64, 4, 2), (32, 64, 128, 4, 3), (64, 128, 256, 8, 4)]
+        for c in [(16, 32, 64, 4, 2), (32, 64, 128, 4, 3), (16, 128, 64, 4, 2), (64, 128, 256, 8, 4)]
     ]
     for y in outs:
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3)
 
 
-def test_default_config_fills_the_multiprocessors() -> None:
-    """Narrower column tiles when the wide ones would leave multiprocessors idle (the 4096-row layers)."""
+def test_default_config_transposes_small_row_counts() -> None:
+    """Up to 32 rows the tile is transposed (a row tile under 64: the weight rows on the tensor cores' 64-row
+    side); from 33 rows 64-row tiles, the column tile narrowed when the wide one would leave multiprocessors idle."""
+    assert default_config(1, 28672, 4096)[:3] == (16, 128, 128)
+    assert default_config(8, 4096, 14336)[:3] == (16, 64, 128)
+    assert default_config(32, 6144, 4096)[:3] == (32, 64, 128)
     assert default_config(64, 28672, 4096)[:3] == (64, 128, 128)
     assert default_config(64, 4096, 14336)[:3] == (64, 32, 128)
-    assert default_config(8, 6144, 4096)[:3] == (16, 32, 128)
     assert default_config(256, 4096, 4096)[:3] == (64, 64, 128)
