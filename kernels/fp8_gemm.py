@@ -54,23 +54,22 @@ def _fp8_gemm_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
     pdl_start(USE_PDL)
+    # SWAP_AB: y^T = W x^T, the weight rows on the tensor cores' M side (64 and more, as sm_90's FP8 matmul
+    # instruction needs), the few token rows on their N side.
     if SWAP_AB:
-        # y^T = W x^T: the weight rows are the tensor cores' M side (64 and more, as sm_90's FP8 matmul
-        # instruction needs), the few token rows their N side.
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            x = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_t = tl.dot(w, tl.trans(x), acc_t)
-        acc = tl.trans(acc_t)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            x = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
             acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     sx = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
     sw = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
     y = acc * sx[:, None] * sw[None, :]

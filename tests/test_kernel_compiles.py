@@ -234,3 +234,29 @@ def test_fp8_kv_kernels_compile_for_hopper(name: str) -> None:
         assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx
     else:
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int) -> None:
+    """The FP8 matmul's default tile at few rows (computed transposed) and at 64 reaches sm_90's FP8 wgmma with
+    its E4M3 operands as they are: under 64 rows on the instruction's M side Triton would convert both to fp16."""
+    from tinypaged.kernels.fp8_gemm import _fp8_gemm_kernel, default_config
+
+    block_m, block_n, block_k, warps, stages = default_config(rows, 28672, 4096)
+    constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constexprs |= {"SWAP_AB": block_m < 64, "USE_PDL": True}
+    types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16"}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a == "y_ptr" else "i32")
+        for a in _fp8_gemm_kernel.arg_names
+    }
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(_fp8_gemm_kernel.arg_names)
+        if a not in constexprs and (signature[a].startswith("*") or a.startswith("stride") or a == "K")
+    }
+    src = ASTSource(fn=_fp8_gemm_kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": warps, "num_stages": stages}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx
