@@ -15,6 +15,10 @@ without masks, the rest (diagonal, end of sequence) with them. Softmax is online
 An FP8 cache's tiles are converted to the query's dtype as they are loaded (exact: E4M3 values are fp16 and bf16
 values; bf16 queries are made fp16 first, E4M3's one-instruction conversion on sm_90); its scales cost nothing per
 key: k_scale is in the softmax scale, v_scale multiplies a program's output once.
+
+One job, past 450 lines: one kernel and its launcher. Decode and prefill share the tile loop, the GQA packing
+and the online softmax, and split-KV's reduce reads the partials that layout writes; split apart, each mode
+would repeat that code (the tile configs live in attention_configs.py already).
 """
 
 from __future__ import annotations
