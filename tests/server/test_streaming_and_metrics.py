@@ -130,6 +130,13 @@ def test_metrics_move_while_requests_run(server) -> None:
     assert _value(before, "tinypaged:num_requests_running") == 0
     assert _value(before, "tinypaged:gpu_cache_usage_perc") == 0
     assert before["tinypaged:time_to_first_token_seconds"][0].labels["model_name"] == server.model
+    config = server.engine.config
+    info = {
+        "block_size": str(config.block_size),
+        "cache_dtype": config.kv_cache_dtype,
+        "quantization": "None",
+    }
+    assert _value(before, "tinypaged:cache_config_info", model_name=server.model, **info) == 1
 
     async def load() -> list[dict]:
         async with aiohttp.ClientSession(headers=server.auth) as s:

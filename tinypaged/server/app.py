@@ -306,7 +306,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     )
     app[ENGINE] = engine
     app[CONFIG] = config
-    server_metrics = ServerMetrics(name)
+    ec = engine.config
+    server_metrics = ServerMetrics(
+        name,
+        {
+            "block_size": str(ec.block_size),
+            "cache_dtype": ec.kv_cache_dtype,
+            "enable_prefix_caching": str(ec.enable_prefix_caching),
+            "quantization": str(ec.quantization),
+        },
+    )
     engine.add_step_listener(server_metrics.observe_step)
     app[SERVING] = OpenAIServing(engine, name, server_metrics, config.max_queue_len)
     app[DRAINING] = asyncio.Event()

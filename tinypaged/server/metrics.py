@@ -114,8 +114,11 @@ class ServerMetrics:
 
     prefix = "tinypaged:"
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: dict[str, str] | None = None) -> None:
+        """`cache_config`: the engine's settings `cache_config_info` reports as labels (as vLLM's gauge of that
+        name: block size, KV cache dtype, ...)."""
         self.labels = f'model_name="{_escape(model_name)}"'
+        self.cache_config = cache_config or {}
         p = self.prefix
         self.ttft = Histogram(
             f"{p}time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
@@ -173,6 +176,14 @@ class ServerMetrics:
                 f"# HELP {full} {help_text}",
                 f"# TYPE {full} {kind}",
                 f"{full}{{{self.labels}}} {_number(getattr(stats, field))}",
+            ]
+        if self.cache_config:
+            full = f"{self.prefix}cache_config_info"
+            info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(self.cache_config.items()))
+            lines += [
+                f"# HELP {full} The engine's KV cache and weight settings, as labels (the value is always 1).",
+                f"# TYPE {full} gauge",
+                f"{full}{{{self.labels},{info}}} 1",
             ]
         full = f"{self.prefix}request_success_total"
         lines += [f"# HELP {full} Count of finished requests by finish reason.", f"# TYPE {full} counter"]
