@@ -22,18 +22,13 @@ import torch
 import triton
 from common import write_json
 
-from tinypaged.kernels.fp8 import quantize_per_token
+from tinypaged.kernels.fp8 import quantize_per_token as quantize_launch
 from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm
 from tinypaged.kernels.gemv import fp8_gemv, gemv
+from tinypaged.model.quant.fp8 import quantize_per_channel, quantize_per_token
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def per_row(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t as E4M3 with one dynamic scale a row."""
-    s = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
-    return (t / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.float()
 
 
 def graph_us(fn: Callable[[int], Any], copies: int) -> float:
@@ -73,7 +68,7 @@ def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws) -> tuple[float, tuple
 def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: bool) -> dict[str, Any]:
     """Every path's time at m rows of one layer (weights `ws` E4M3 with scales, `wb` bf16, `copies` of each)."""
     dev = ws[0][0].device
-    xq, xs = per_row(torch.randn(m, k, device=dev) * 3)
+    xq, xs = quantize_per_token(torch.randn(m, k, device=dev) * 3)
     xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     ref = (xq.float() * xs) @ (ws[0][0].float() * ws[0][1][:, None]).T
     err = float((fp8_gemm(xq, xs, *ws[0]).float() - ref).norm() / ref.norm())
@@ -83,7 +78,7 @@ def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: 
     )
     if m <= 8:
         r["fp8_gemv_us"] = graph_us(lambda i: fp8_gemv(xq, xs, *ws[i], None, torch.bfloat16), copies)
-    r["quantize_us"] = graph_us(lambda i: quantize_per_token(xb), copies)
+    r["quantize_us"] = graph_us(lambda i: quantize_launch(xb), copies)
     r["scaled_mm_us"] = graph_us(
         lambda i: torch._scaled_mm(
             xq, ws[i][0].t(), scale_a=xs, scale_b=ws[i][1].view(1, n), out_dtype=torch.bfloat16
@@ -106,8 +101,7 @@ def main() -> None:
     res: list[dict[str, Any]] = []
     for name, n, k in SHAPES:
         copies = int(3 * 60e6 // (n * k)) + 1
-        ws = [per_row(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
-        ws = [(q, s[:, 0].contiguous()) for q, s in ws]
+        ws = [quantize_per_channel(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         for m in ROWS:
             r = {"layer": name, **measure(m, n, k, copies, ws, wb, not args.no_sweep)}

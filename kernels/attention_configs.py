@@ -26,7 +26,8 @@ _DECODE_PROGRAMS_PER_SM = 4
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessor count (read once a device)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -64,7 +65,7 @@ def choose_num_splits(
     least), each split at least 4 tiles."""
     if not q.is_cuda:
         return 1
-    slots = _DECODE_PROGRAMS_PER_SM * _num_sms(q.device)
+    slots = _DECODE_PROGRAMS_PER_SM * num_sms(q.device)
     return splits_for_programs(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * block_n))))
 
 

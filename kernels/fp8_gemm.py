@@ -12,12 +12,11 @@ output element is summed by one program, in the same order at every batch size w
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .attention_configs import num_sms
 from .pdl import pdl_options, pdl_start
 
 
@@ -79,7 +78,7 @@ def _fp8_gemm_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int, int, int]:
+def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an [m, k] x [n, k]^T product.
 
     sm_90's FP8 tensor-core instruction (wgmma) takes 64 rows and more on its M side; under that Triton falls
@@ -91,17 +90,12 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int
     block_k = 128 if k >= 128 else max(32, triton.next_power_of_2(k))
     if m <= 32:
         block_m = max(16, triton.next_power_of_2(m))
-        block_n = 128 if triton.cdiv(n, 128) >= num_sms else 64
+        block_n = 128 if triton.cdiv(n, 128) >= sms else 64
         return block_m, block_n, block_k, 4, 4
     block_m = 64
     tiles_m = triton.cdiv(m, block_m)
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) * tiles_m >= num_sms), 32)
+    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) * tiles_m >= sms), 32)
     return block_m, block_n, block_k, 4, 4
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def fp8_gemm(
@@ -126,7 +120,7 @@ def fp8_gemm(
     if m == 0:
         return y
     if config is None:
-        config = default_config(m, n, k, _num_sms(xq.device))
+        config = default_config(m, n, k, num_sms(xq.device) if xq.is_cuda else 132)
     block_m, block_n, block_k, warps, stages = config
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _fp8_gemm_kernel[grid](

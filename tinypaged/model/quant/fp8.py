@@ -1,7 +1,7 @@
 """FP8 (E4M3) numerics: the definition of every FP8 op, in torch, on any device, and the dispatch of each to its
 GPU kernels.
 
-The GPU kernels (fused activation quantization, FP8 GEMV) and `torch._scaled_mm` are tested against these
+The GPU kernels (fused activation quantization, FP8 GEMV, FP8 matmul) and `torch._scaled_mm` are tested against these
 functions and give the same numbers (up to the order of float32 sums); on the CPU the references are the FP8 path
 itself (emulation: FP8 values held in torch's float8_e4m3fn, the matmul done in float32 on the dequantized values).
 
