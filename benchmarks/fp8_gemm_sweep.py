@@ -1,6 +1,7 @@
 """The FP8 linear paths at the 8B layers and 1-256 rows, timed as CUDA-graph replays: bf16 (the Triton GEMV at one
 row, cuBLASLt above), the FP8 GEMV (up to 8 rows), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default
-tiling and the best of a sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch.
+tiling and the best of a sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch; first,
+the board's bf16 and FP8 matmul rates at 8192^3 (the FP8 roofline's ceiling).
 
 Eager timing (`do_bench`) of kernels of 10-50 us measured the host's launch time here (benchmarks/NOTES.md), so each
 figure is the median over 15 replays of a graph of `2 x copies` launches, each launch reading another copy of
@@ -65,6 +66,26 @@ def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws) -> tuple[float, tuple
     return best[0], best[1], rows
 
 
+def matmul_rates(size: int = 8192) -> dict[str, float]:
+    """The board's bf16 and FP8 matmul rates, TFLOP/s, on a size^3 product of random operands (`do_bench` median:
+    a launch of about a millisecond, far past its launch time): the ceilings of the FP8 roofline."""
+    from triton.testing import do_bench
+
+    a, b = torch.randn(size, size, device="cuda"), torch.randn(size, size, device="cuda")
+    aq, sa = quantize_per_token(a)
+    bq, sb = quantize_per_channel(b)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    flop = 2 * size**3
+    bf16_ms = do_bench(lambda: torch.nn.functional.linear(a16, b16), warmup=50, rep=500, return_mode="median")
+    fp8_ms = do_bench(
+        lambda: torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.view(1, -1), out_dtype=torch.bfloat16),
+        warmup=50,
+        rep=500,
+        return_mode="median",
+    )
+    return {"size": size, "bf16_tflops": flop / bf16_ms / 1e9, "fp8_rowwise_tflops": flop / fp8_ms / 1e9}
+
+
 def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: bool) -> dict[str, Any]:
     """Every path's time at m rows of one layer (weights `ws` E4M3 with scales, `wb` bf16, `copies` of each)."""
     dev = ws[0][0].device
@@ -98,7 +119,10 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="time the default tiling only")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    res: list[dict[str, Any]] = []
+    rates = matmul_rates()
+    bf16, fp8 = rates["bf16_tflops"], rates["fp8_rowwise_tflops"]
+    print(f"8192^3: bf16 {bf16:.0f} TFLOP/s, FP8 row-wise {fp8:.0f} TFLOP/s", flush=True)
+    res: list[dict[str, Any]] = [{"matmul_rates": rates}]
     for name, n, k in SHAPES:
         copies = int(3 * 60e6 // (n * k)) + 1
         ws = [quantize_per_channel(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
@@ -110,7 +134,7 @@ def main() -> None:
     print(
         f"{'layer':<8} {'M':>4} {'bf16':>7} {'gemv8':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'best':>7} best tiling"
     )
-    for r in res:
+    for r in res[1:]:
         print(
             f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} {r.get('fp8_gemv_us', float('nan')):7.1f} "
             f"{r['quantize_us']:6.1f} {r['scaled_mm_us']:7.1f} {r['fp8_gemm_us']:7.1f} "
