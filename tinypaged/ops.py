@@ -232,6 +232,12 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def ref_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP activation of a fused gate/up projection: `gelu_tanh(gate) * up`, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy whole blocks `src -> dst` (rows of `block_mapping` `[N, 2]`) in every layer, keys and values."""
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
@@ -500,6 +506,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return kernel(x)
     return ref_silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh gated activation of a fused gate/up projection `[T, 2 * I]` (see `ref_gelu_tanh_and_mul`)."""
+    if uses_triton(x):
+        from tinypaged.kernels import silu_and_mul as kernel
+
+        return kernel(x, gelu=True)
+    return ref_gelu_tanh_and_mul(x)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
