@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -29,9 +28,6 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
 )
 SUPPORTED_FAMILIES = "Llama, Mistral, Qwen2/2.5, Qwen3 and Gemma 3 text"
-
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -319,20 +315,12 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        limit, window = mcfg.max_position_embeddings, mcfg.sliding_window
-        # The attention here is over the whole context, which equals a sliding-window model's attention only
-        # while the context fits in the window: such a model is served up to its window.
-        windowed = window is not None and window < limit
-        if windowed:
-            limit = window
+        limit = mcfg.max_position_embeddings
         if not self.max_model_len:
-            if windowed:
-                logger.warning("max_model_len capped at the model's sliding window (%d tokens)", window)
             object.__setattr__(self, "max_model_len", limit)
         elif self.max_model_len > limit:
-            what = "sliding window" if windowed else "context"
             raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's {what} ({limit} tokens)"
+                f"max_model_len {self.max_model_len} exceeds the model's context ({limit} tokens)"
             )
         for name, ok, rule in (
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),

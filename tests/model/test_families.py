@@ -107,6 +107,14 @@ def test_family_matches_hf(tmp_path: Path, family: str, run_paged) -> None:
     compare(hf_checkpoint(tmp_path, family), FAMILIES[family][1], run_paged)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_matches_hf(tmp_path: Path, family: str, run_paged) -> None:
+    """Prompts and decodes past a window of 8 tokens (Mistral v0.1: every layer; Gemma 3: interleaved), over
+    blocks of 4: the window's edge falls inside blocks."""
+    path = hf_checkpoint(tmp_path, family, sliding_window=8)
+    compare(path, FAMILIES[family][1], run_paged, prompt_lens=(5, 23, 13), new=6, block_size=4)
+
+
 def test_qwen_window_off_and_gemma_layer_kinds(tmp_path: Path) -> None:
     """Qwen's `use_sliding_window: false` means no window; Gemma 3's layers are windowed as its types say (the
     old configs' `sliding_window_pattern` too), its windowed layers rotating with their own base."""

@@ -90,13 +90,17 @@ def linear(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there.
+    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there
+    (the last `window` positions of it, where the layer has a sliding window).
 
-    Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
-    all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
+        Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
+        all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str, window: int | None
+    ) -> None:
         super().__init__()
+        self.window = window
         kv_start, kv_end = tp.kv_heads(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_end - kv_start
         self.head_dim = cfg.head_dim
@@ -148,6 +152,7 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
+            window=self.window,
             **scales,
         )
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
@@ -196,15 +201,16 @@ class VocabEmbedding(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. Gemma ("sandwich")
-    also normalises each block's output before it is added, and the MLP's input after. `prefix` is the layer's
-    checkpoint name (`model.layers.3`), by which `quant` says how its linear layers run."""
+    also normalises each block's output before it is added, and the MLP's input after. Layer `index`'s
+    checkpoint name (`model.layers.3`) is how `quant` says its linear layers run."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, index: int) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.sandwich = cfg.family == "gemma3"
         size, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.sandwich
         self.input_layernorm = RMSNorm(size, eps, offset)
-        self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn")
+        self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn", cfg.window(index))
         self.post_attention_layernorm = RMSNorm(size, eps, offset)
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
@@ -254,9 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, quant, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family == "gemma3")
         rows = tp.vocab(cfg.vocab_size)[2]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
