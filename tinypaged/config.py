@@ -91,7 +91,7 @@ class ModelConfig:
             (FAMILIES[arch_type[a]] for a in archs if a in arch_type), None
         )
         if family is None:
-            got = (archs[0] if archs else None) or model_type or "unknown"
+            got = model_type or (archs[0] if archs else "unknown")
             raise ConfigError(
                 f"unsupported model architecture {got!r} in {path}: tinypaged runs {SUPPORTED_FAMILIES} "
                 f"({', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -167,6 +167,13 @@ class ModelConfig:
     def sliding_window(self) -> int | None:
         """The longest layer window (None: no layer is windowed)."""
         return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has one (the block manager then gives back the blocks it has passed);
+        None when some layer sees the whole context."""
+        windowed = self.layer_windows and all(w is not None for w in self.layer_windows)
+        return self.sliding_window if windowed else None
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s window (None: the whole context)."""
