@@ -15,6 +15,12 @@ from .errors import WeightsError
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 _SPACE = "\u2581"  # SentencePiece's "▁"
+# llama.cpp's "qwen2" pre-tokenizer (Qwen2's and Qwen3's tokenizer.json): digits one by one, letters with one
+# leading non-letter, punctuation runs with their newlines, whitespace runs.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Any:
@@ -60,10 +66,10 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 def _byte_level(meta: dict[str, Any]) -> Any:
     """A byte-level BPE from the GGUF vocabulary and merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     pre = meta.get("tokenizer.ggml.pre")
-    if pre not in ("smollm", "gpt2"):
+    if pre not in ("smollm", "gpt2", "qwen2"):
         raise WeightsError(f"unsupported GGUF pre-tokenizer {pre!r}")
     tokens, _ = _tokens(meta)
     if "tokenizer.ggml.merges" not in meta:
@@ -78,6 +84,14 @@ def _byte_level(meta: dict[str, Any]) -> Any:
         # before the GPT-2 regex runs, so " 42" is "Ġ", "4", "2" and a space run before a digit stays whole.
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     else:
         tokenizer.pre_tokenizer = byte_level
