@@ -155,3 +155,28 @@ def test_unknown_architecture_is_one_line(tmp_path: Path, raw: dict) -> None:
     message = str(e.value)
     assert "\n" not in message and repr(raw["model_type"]) in message
     assert "Qwen3" in message and "Gemma 3" in message
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "gemma3"])
+def test_tensor_parallel_shares(tmp_path: Path, family: str) -> None:
+    """Under tensor parallelism (2 ranks) each rank holds its heads' rows of Qwen's q/k/v biases (KV heads
+    replicated where the ranks outnumber them: not here) and the whole of the per-head q/k norms and Gemma's
+    extra norms."""
+    from tinypaged.model.parallel import TPGroup
+
+    cfg = ModelConfig.from_dir(hf_checkpoint(tmp_path, family))
+    whole = dict(load_model(cfg, torch.float32, torch.device("cpu"), 64).named_parameters())
+    ranks = [
+        dict(load_model(cfg, torch.float32, torch.device("cpu"), 64, TPGroup(r, 2)).named_parameters())
+        for r in range(2)
+    ]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, w in whole.items():
+        if name.endswith("qkv_proj.bias"):
+            parts = [r[name] for r in ranks]
+            cuts = [(0, q // 2), (q // 2, q // 2 + kv // 2), (q // 2 + kv // 2, q // 2 + kv)]
+            got = [torch.cat([p[a:b] for p in parts]) for a, b in cuts]
+            assert torch.equal(torch.cat(got), w), name
+        elif "norm" in name:
+            assert all(torch.equal(r[name], w) for r in ranks), name
+    assert any(n.endswith("qkv_proj.bias") or "q_norm" in n for n in whole)
