@@ -276,3 +276,22 @@ def test_sliding_window_attention_compiles_for_hopper(decode: bool) -> None:
     src = ASTSource(fn=_paged_attn_kernel, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_tiles_of_head_dim_256_fit_hopper(decode: bool) -> None:
+    """Gemma 3's head_dim of 256 in bf16: the default tiles compile for sm_90 within its 227 KB of shared
+    memory a block (a launch past it fails with "out of resources", which the interpreter never sees)."""
+    from tinypaged.kernels.attention import _paged_attn_kernel
+    from tinypaged.kernels.attention_configs import _default_configs
+
+    cfg = _default_configs(True, 2, 256, 2)[0 if decode else 1]
+    constexprs = _PDL_KERNELS["attention._paged_attn_kernel"] | {"HEAD_DIM": 256, "G": 2, "WINDOWED": True}
+    constexprs |= {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_PDL": True}
+    if not decode:
+        constexprs |= {"DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_Q": cfg.block_m // 2}
+    signature = {a: "constexpr" if a in constexprs else _arg_type(a) for a in _paged_attn_kernel.arg_names}
+    src = ASTSource(fn=_paged_attn_kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
