@@ -93,8 +93,8 @@ class Attention(nn.Module):
     """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there
     (the last `window` positions of it, where the layer has a sliding window).
 
-        Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
-        all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
+    Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
+    all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
 
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str, window: int | None
@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
         # Gemma 3's windowed layers' own rotary table (the others' is cos_sin_cache); None: one table for all.
-        self.local_layers = set()
+        self.local_layers: set[int] = set()
         if cfg.local_rope_theta is not None:
             self.local_layers = {i for i in range(cfg.num_layers) if cfg.window(i) is not None}
         self.register_buffer("cos_sin_local", None, persistent=False)
