@@ -60,12 +60,19 @@ from throughput import ideal_decode_steps, run_ours
 
 from tinypaged import LLM
 from tinypaged.config import ModelConfig
+from tinypaged.model.quant import fp8 as fp8_quant
+
+DEFAULT_GEMV_ROWS = fp8_quant.GEMV_ROWS
 
 ENGINES: dict[str, dict[str, Any]] = {
     "bf16": {},
     "bf16+kv8": {"kv_cache_dtype": "fp8"},
     "fp8": {"quantization": "fp8"},
     "fp8+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    # FP8 weights with every step of up to 64 rows through the Triton FP8 matmul (no GEMV): its split-K tiles
+    # against the GEMV at 1-4 rows (`fp8.GEMV_ROWS`, a module setting, set before the engine captures graphs).
+    "fp8-nogemv": {"quantization": "fp8", "gemv_rows": 0},
+    "fp8-nogemv+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8", "gemv_rows": 0},
 }
 
 
@@ -181,8 +188,10 @@ def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
         extra = ENGINES[name]
         out: dict[str, Any] = res.setdefault("engines", {}).setdefault(name, {"args": extra})
         t0 = time.perf_counter()
+        engine_args = {k: v for k, v in extra.items() if k != "gemv_rows"}
+        fp8_quant.GEMV_ROWS = extra.get("gemv_rows", DEFAULT_GEMV_ROWS)
         try:
-            llm = LLM(model=args.model, **w1_engine_args(args), **extra)
+            llm = LLM(model=args.model, **w1_engine_args(args), **engine_args)
         except Exception as e:
             traceback.print_exc()
             out["error"] = f"{type(e).__name__}: {e}"

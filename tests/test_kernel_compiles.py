@@ -117,6 +117,7 @@ _PDL_KERNELS = {
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
         "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
+        "FP8_PAIRS": False,
     },
     "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
 }  # fmt: skip
@@ -210,42 +211,52 @@ def test_pdl_off_on_the_cpu() -> None:
 _FP8_KV_KERNELS = {
     "cache._write_kv_kernel": _PDL_KERNELS["cache._write_kv_kernel"] | {"FP8": True},
     "rotary._rotary_write_kv_kernel": _PDL_KERNELS["rotary._rotary_write_kv_kernel"] | {"FP8": True},
-    "attention._paged_attn_kernel": _PDL_KERNELS["attention._paged_attn_kernel"] | {"KV_FP8": True},
+    "attention._paged_attn_kernel": _PDL_KERNELS["attention._paged_attn_kernel"]
+    | {"KV_FP8": True, "FP8_PAIRS": True, "BLOCK_N": 64},
     "attention._paged_attn_kernel:prefill": _PDL_KERNELS["attention._paged_attn_kernel"]
-    | {"KV_FP8": True, "DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_M": 128, "BLOCK_Q": 32},
+    | {"KV_FP8": True, "FP8_PAIRS": True, "DECODE": False, "SPLIT_KV": False, "ORDERED": False}
+    | {"BLOCK_M": 128, "BLOCK_Q": 32},
+    "attention._paged_attn_kernel:bytes": _PDL_KERNELS["attention._paged_attn_kernel"]
+    | {"KV_FP8": True, "BLOCK_N": 64},
 }
 
 
 @pytest.mark.parametrize("name", sorted(_FP8_KV_KERNELS))
 def test_fp8_kv_kernels_compile_for_hopper(name: str) -> None:
     """With an E4M3 cache the writes quantize with IEEE division and the hardware's saturating conversion (the
-    interpreter's emulation compiled out), and attention converts what it loads from E4M3."""
+    interpreter's emulation compiled out), and attention converts what it loads from E4M3. Read as pairs, the
+    tiles are converted in registers, two values an instruction; left to Triton (":bytes"), the conversion
+    follows the tile's move into the dot's layout, and shared memory is read a byte at a time."""
     module, fn_name = name.partition(":")[0].split(".")
     fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
     constexprs = _FP8_KV_KERNELS[name] | {"USE_PDL": True}
     cache_args = {"k_cache_ptr", "v_cache_ptr", "kv_ptr"}
+    cache_type = "*i16" if constexprs.get("FP8_PAIRS") else "*fp8e4nv"
     signature = {
-        a: "constexpr" if a in constexprs else "*fp8e4nv" if a in cache_args else _arg_type(a)
+        a: "constexpr" if a in constexprs else cache_type if a in cache_args else _arg_type(a)
         for a in fn.arg_names
     }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     if module == "attention":
-        assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+        assert ("ld.shared.b8" in ptx or "ld.shared.u8" in ptx) == (not constexprs.get("FP8_PAIRS"))
     else:
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int) -> None:
-    """The FP8 matmul's default tile at few rows (computed transposed) and at 64 reaches sm_90's FP8 wgmma with
-    its E4M3 operands as they are: under 64 rows on the instruction's M side Triton would convert both to fp16."""
+@pytest.mark.parametrize("rows, split", [(1, False), (16, True), (64, False), (64, True)])
+def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
+    """The FP8 matmul's default tile at few rows (computed transposed) and at 64, split along K or not, reaches
+    sm_90's FP8 wgmma with its E4M3 operands as they are: under 64 rows on the instruction's M side Triton would
+    convert both to fp16. A split launch counts its programs in with one acquire-release atomic a program."""
     from tinypaged.kernels.fp8_gemm import _fp8_gemm_kernel, default_config
 
-    block_m, block_n, block_k, warps, stages = default_config(rows, 28672, 4096)
+    block_m, block_n, block_k, warps, stages, _ = default_config(rows, 4096 if split else 28672, 4096)
     constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constexprs |= {"SWAP_AB": block_m < 64, "USE_PDL": True}
+    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": split, "USE_PDL": True}
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16"}
+    types |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
         a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a == "y_ptr" else "i32")
         for a in _fp8_gemm_kernel.arg_names
@@ -260,3 +271,4 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int) -> None:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == split
