@@ -51,21 +51,6 @@ def _find_seq(query_start_loc, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_pairs(pairs, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A [BLOCK_N, HEAD_DIM // 2] tile of int16, each two E4M3 values (the lower byte first), as the
-    [BLOCK_N, HEAD_DIM] fp16 tile they hold: sm_89+'s one conversion a pair, in registers."""
-    lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-        "=h,=h,h",
-        [pairs],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    return tl.join(lo, hi).reshape(BLOCK_N, HEAD_DIM)
-
-
-@triton.jit
 def _attend_tiles(
     acc,
     l_i,
@@ -87,7 +72,6 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    FP8_PAIRS: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) with KV tiles [tile_lo, tile_hi) of one sequence/KV head."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -101,13 +85,7 @@ def _attend_tiles(
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         row_off = block * stride_kb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head_off
         kv_off = row_off[:, None] + offs_d[None, :]
-        if FP8_PAIRS:
-            pair_off = row_off[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :]
-            if MASKED:
-                k = _e4m3_pairs(tl.load(k_ptr + pair_off, mask=kv_ok[:, None], other=0), BLOCK_N, HEAD_DIM)
-            else:
-                k = _e4m3_pairs(tl.load(k_ptr + pair_off), BLOCK_N, HEAD_DIM)
-        elif MASKED:
+        if MASKED:
             k = tl.load(k_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_off)
@@ -118,12 +96,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8_PAIRS:
-            if MASKED:
-                v = _e4m3_pairs(tl.load(v_ptr + pair_off, mask=kv_ok[:, None], other=0), BLOCK_N, HEAD_DIM)
-            else:
-                v = _e4m3_pairs(tl.load(v_ptr + pair_off), BLOCK_N, HEAD_DIM)
-        elif MASKED:
+        if MASKED:
             v = tl.load(v_ptr + kv_off, mask=kv_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_off)
@@ -168,7 +141,6 @@ def _paged_attn_kernel(
     ORDERED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FP8_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V (an FP8
@@ -268,7 +240,6 @@ def _paged_attn_kernel(
         HEAD_DIM,
         False,
         DOT_PREC,
-        FP8_PAIRS,
     )
     acc, l_i, m_i = _attend_tiles(
         acc,
@@ -291,7 +262,6 @@ def _paged_attn_kernel(
         HEAD_DIM,
         True,
         DOT_PREC,
-        FP8_PAIRS,
     )
     if KV_FP8:
         acc = acc * v_scale  # sum_j p_j (v_j * v_scale), once per row instead of once per key
@@ -347,16 +317,6 @@ def _reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-def _kv_operand(kv_layer: torch.Tensor, cfg: AttnConfig) -> dict[str, torch.Tensor | int | bool]:
-    """The cache as a launch with `cfg` reads it, and its strides. An FP8 cache on a GPU is read as int16 pairs
-    of E4M3 values (`FP8_PAIRS`: converted in registers, the GPU's own instruction, which the interpreter
-    cannot run) unless the config says otherwise."""
-    pairs = kv_layer.dtype == torch.float8_e4m3fn and kv_layer.is_cuda and cfg.fp8_pairs
-    kv = kv_layer.view(torch.int16) if pairs else kv_layer
-    strides = dict(zip(("stride_kv", "stride_kb", "stride_kt", "stride_kh"), kv.stride()[:4], strict=True))
-    return dict(kv_ptr=kv, **strides, FP8_PAIRS=pairs)
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -409,6 +369,10 @@ def paged_attention(
         stride_qh=q.stride(1),
         stride_ot=out.stride(0),
         stride_oh=out.stride(1),
+        stride_kv=kv_layer.stride(0),
+        stride_kb=kv_layer.stride(1),
+        stride_kt=kv_layer.stride(2),
+        stride_kh=kv_layer.stride(3),
         stride_bt=block_tables.stride(0),
         G=g,
         HEAD_DIM=head_dim,
@@ -417,7 +381,7 @@ def paged_attention(
         KV_FP8=kv_fp8,
         **pdl_options(q),
     )
-    tensors = dict(block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc)
+    tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
 
     if max_query_len > 1:
@@ -425,13 +389,13 @@ def paged_attention(
         block_q = cfg.block_m // g
         grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + num_seqs, 1)
         _paged_attn_kernel[grid](
-            q_ptr=q,
-            **_kv_operand(kv_layer, cfg),
-            out_ptr=out,
-            part_o_ptr=out,
-            part_ml_ptr=out,
-            **tensors,
-            seq_order_ptr=seq_lens,
+            q,
+            kv_layer,
+            out,
+            out,
+            out,
+            *tensors,
+            seq_lens,
             **common,
             BLOCK_M=cfg.block_m,
             BLOCK_Q=block_q,
@@ -457,13 +421,13 @@ def paged_attention(
         part_o = part_ml = out
     assert num_seqs * splits < 2**16, "too many decode programs for the grid's second axis"
     _paged_attn_kernel[(num_kv_heads, num_seqs * splits, 1)](
-        q_ptr=q,
-        **_kv_operand(kv_layer, cfg),
-        out_ptr=out,
-        part_o_ptr=part_o,
-        part_ml_ptr=part_ml,
-        **tensors,
-        seq_order_ptr=seq_lens if seq_order is None else seq_order,
+        q,
+        kv_layer,
+        out,
+        part_o,
+        part_ml,
+        *tensors,
+        seq_lens if seq_order is None else seq_order,
         **common,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=1,

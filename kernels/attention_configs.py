@@ -18,9 +18,6 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: int | None = None  # a register cap, to keep a whole number of programs resident per SM
-    # An FP8 cache's tiles read as pairs of E4M3 values and converted in registers (kernels/attention.py); False:
-    # Triton's own conversion (for side-by-side timing).
-    fp8_pairs: bool = True
 
 
 # Decode programs resident per SM with the default decode tile (capped at 128 registers x 128 threads; 39 KB

@@ -12,8 +12,8 @@ Split-K, deterministic. A layer of 4,096 weight rows makes only 64 tiles of 64 r
 132 multiprocessors reading. So such a layer's K is cut into pieces of `k_split` columns, one program a tile
 and piece. Each writes its float32 partial sums to a workspace and counts itself in on the tile's counter; the
 last to arrive adds the partials up in piece order (never in arrival order), applies the scales and stores the
-tile, and sets the counter back to zero for the next launch. `k_split` depends on the layer's shape only
-(`split_k`), so a row's sums are taken in the same order at every row count up to GEMM_ROWS.
+tile, and sets the counter back to zero for the next launch. Up to 32 rows `k_split` depends on the layer's shape
+only (`split_k`), so a row's sums are taken in the same order at every row count from 1 to 32.
 """
 
 from __future__ import annotations
@@ -124,9 +124,9 @@ def _epilogue(
 
 
 def split_k(n: int, k: int, sms: int = 132, block_k: int = 128, programs_per_sm: int = 2) -> int:
-    """The K columns of one split piece for an [*, k] x [n, k]^T product (0: no split), from the layer's shape
-    alone, so every row count sums in the same order. Pieces enough that the layer's 64-row tiles make about
-    `programs_per_sm` programs a multiprocessor, each piece at least four K tiles long."""
+    """The K columns of one split piece for an [*, k] x [n, k]^T product (0: no split), from the layer's shape:
+    pieces enough that its 64-row tiles make about `programs_per_sm` programs a multiprocessor, each piece at
+    least four K tiles long."""
     tiles = triton.cdiv(n, 64)
     iters = triton.cdiv(k, block_k)
     pieces = max(1, min(iters // 4, round(programs_per_sm * sms / tiles)))
@@ -136,25 +136,25 @@ def split_k(n: int, k: int, sms: int = 132, block_k: int = 128, programs_per_sm:
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, k_split) for an [m, k] x [n, k]^T product.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, k_split) for an [m, k] x [n, k]^T product, from the
+    H200 sweep of the 8B layers at 1-256 rows (benchmarks/fp8_gemm_sweep.py, NOTES.md).
 
     sm_90's FP8 tensor-core instruction (wgmma) takes 64 rows and more on its M side; under that Triton falls
-    back to fp16 MMAs, converting both operands (SASS: 96 E4M3 conversions an iteration at 16 x 32 x 256, none
-    at 64 rows). So up to 32 rows the tile is computed transposed (`SWAP_AB`, chosen by a row tile under 64):
-    the weight rows on the M side, 128 or 64 of them, the token rows (16 or 32) on the N side. From 33 rows the
-    row tile is 64 and the column tile the widest of 128 and 64 that gives every multiprocessor a program, else
-    32. K is split as `split_k` says, the same at every row count. The row counts where each tiling wins are
-    the H200 sweep's to set (benchmarks/fp8_gemm_sweep.py)."""
+    back to fp16 MMAs, converting both operands. So up to 32 rows the tile is computed transposed (`SWAP_AB`,
+    chosen by a row tile under 64): 64 weight rows on the M side, the 16 or 32 token rows on the N side, K split
+    as `split_k` says for the layer's shape, so that every step of 1-32 rows sums a row in the same order.
+    From 33 rows the tiles are 64 and from 65 rows 128 token rows (eight warps) by 64 weight rows (128 where the
+    layer is wide), split only where the layer's tiles leave most multiprocessors idle. Five pipeline stages,
+    three on the wide layers (gate_up: many programs a multiprocessor already)."""
     block_k = 128 if k >= 128 else max(32, triton.next_power_of_2(k))
-    k_split = split_k(n, k, sms, block_k)
+    wide = triton.cdiv(n, 64) >= 2 * sms
+    stages = 3 if wide else 5
     if m <= 32:
-        block_m = max(16, triton.next_power_of_2(m))
-        block_n = 128 if triton.cdiv(n, 128) >= sms else 64
-        return block_m, block_n, block_k, 4, 4, k_split
-    block_m = 64
-    tiles_m = triton.cdiv(m, block_m)
-    block_n = 64 if k_split else next((b for b in (128, 64) if triton.cdiv(n, b) * tiles_m >= sms), 32)
-    return block_m, block_n, block_k, 4, 4, k_split
+        return max(16, triton.next_power_of_2(m)), 64, block_k, 4, stages, split_k(n, k, sms, block_k)
+    k_split = split_k(n, k, sms, block_k, programs_per_sm=1)
+    if m <= 64:
+        return 64, 64, block_k, 4, stages, k_split
+    return 128, 128 if wide else 64, block_k, 8, stages, k_split
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor:

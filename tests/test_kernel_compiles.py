@@ -117,7 +117,6 @@ _PDL_KERNELS = {
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
         "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
-        "FP8_PAIRS": False,
     },
     "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
 }  # fmt: skip
@@ -211,36 +210,28 @@ def test_pdl_off_on_the_cpu() -> None:
 _FP8_KV_KERNELS = {
     "cache._write_kv_kernel": _PDL_KERNELS["cache._write_kv_kernel"] | {"FP8": True},
     "rotary._rotary_write_kv_kernel": _PDL_KERNELS["rotary._rotary_write_kv_kernel"] | {"FP8": True},
-    "attention._paged_attn_kernel": _PDL_KERNELS["attention._paged_attn_kernel"]
-    | {"KV_FP8": True, "FP8_PAIRS": True, "BLOCK_N": 64},
+    "attention._paged_attn_kernel": _PDL_KERNELS["attention._paged_attn_kernel"] | {"KV_FP8": True},
     "attention._paged_attn_kernel:prefill": _PDL_KERNELS["attention._paged_attn_kernel"]
-    | {"KV_FP8": True, "FP8_PAIRS": True, "DECODE": False, "SPLIT_KV": False, "ORDERED": False}
-    | {"BLOCK_M": 128, "BLOCK_Q": 32},
-    "attention._paged_attn_kernel:bytes": _PDL_KERNELS["attention._paged_attn_kernel"]
-    | {"KV_FP8": True, "BLOCK_N": 64},
+    | {"KV_FP8": True, "DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_M": 128, "BLOCK_Q": 32},
 }
 
 
 @pytest.mark.parametrize("name", sorted(_FP8_KV_KERNELS))
 def test_fp8_kv_kernels_compile_for_hopper(name: str) -> None:
     """With an E4M3 cache the writes quantize with IEEE division and the hardware's saturating conversion (the
-    interpreter's emulation compiled out), and attention converts what it loads from E4M3. Read as pairs, the
-    tiles are converted in registers, two values an instruction; left to Triton (":bytes"), the conversion
-    follows the tile's move into the dot's layout, and shared memory is read a byte at a time."""
+    interpreter's emulation compiled out), and attention converts what it loads from E4M3."""
     module, fn_name = name.partition(":")[0].split(".")
     fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
     constexprs = _FP8_KV_KERNELS[name] | {"USE_PDL": True}
     cache_args = {"k_cache_ptr", "v_cache_ptr", "kv_ptr"}
-    cache_type = "*i16" if constexprs.get("FP8_PAIRS") else "*fp8e4nv"
     signature = {
-        a: "constexpr" if a in constexprs else cache_type if a in cache_args else _arg_type(a)
+        a: "constexpr" if a in constexprs else "*fp8e4nv" if a in cache_args else _arg_type(a)
         for a in fn.arg_names
     }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     if module == "attention":
-        assert "cvt.rn.f16x2.e4m3x2" in ptx
-        assert ("ld.shared.b8" in ptx or "ld.shared.u8" in ptx) == (not constexprs.get("FP8_PAIRS"))
+        assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx
     else:
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 

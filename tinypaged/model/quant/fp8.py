@@ -31,9 +31,9 @@ from tinypaged.quantization import Fp8Scheme
 MIN_SCALE = 1e-12
 # Steps of up to GEMV_ROWS rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), up to GEMM_ROWS
 # through the Triton FP8 matmul (kernels/fp8_gemm.py), larger ones through torch._scaled_mm (cuBLASLt): where
-# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "FP8 matmuls on this board").
-GEMV_ROWS = 4
-GEMM_ROWS = 64
+# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "The FP8 matmul split along K").
+GEMV_ROWS = 0
+GEMM_ROWS = 256
 
 
 class Fp8Activation(NamedTuple):
