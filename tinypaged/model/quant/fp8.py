@@ -31,9 +31,10 @@ from tinypaged.quantization import Fp8Scheme
 MIN_SCALE = 1e-12
 # Steps of up to GEMV_ROWS rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), up to GEMM_ROWS
 # through the Triton FP8 matmul (kernels/fp8_gemm.py), larger ones through torch._scaled_mm (cuBLASLt): where
-# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "The FP8 matmul split along K").
+# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "The FP8 matmul split along K"; in W1's decode
+# steps of 130-256 rows cuBLASLt took 3.8 ms a step where the Triton matmul took 5.1, run 64).
 GEMV_ROWS = 0
-GEMM_ROWS = 256
+GEMM_ROWS = 128
 
 
 class Fp8Activation(NamedTuple):
