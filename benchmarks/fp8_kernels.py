@@ -10,7 +10,8 @@ through `ops.linear` (the Triton GEMV at one row, cuBLAS above), the Triton FP8 
 rows), `torch._scaled_mm` (cuBLASLt FP8 with rowwise scales, plain and with fast accumulation) and the per-token
 quantize launch (kernels/fp8.py) of an [M, K] bf16 input. Times are medians of `triton.testing.do_bench` (the L2
 cleared before each call); GB/s counts the bytes each must move (weight, activations, scales, output), TFLOP/s
-2MNK. Then the fused RMSNorm and SwiGLU against their plain kernels, and the GEMV's tilings swept at 1, 2 and 4 rows
+2MNK. Then the fused RMSNorm and SwiGLU against their plain kernels (CUDA-graph
+replays), and the GEMV's tilings swept at 1, 2 and 4 rows
 (not with --quick). Prints a table last; writes JSON.
 """
 
@@ -189,25 +190,38 @@ def linear_row(name: str, m: int, w: torch.Tensor, wq: torch.Tensor, ws: torch.T
 
 
 def producers() -> None:
-    """The fused producers against their plain kernels at 1, 64 and 512 rows: the RMSNorm with the residual add
-    (hidden 4096) and the SwiGLU (inner 14336, whose FP8 variant runs one program a row)."""
-    for m in (1, 64, 512):
+    """The fused producers against their plain kernels at 1-256 rows, timed as CUDA-graph replays over input
+    copies past the L2 (graph_us): the RMSNorm with the residual add (hidden 4096), the SwiGLU (inner 14336,
+    whose FP8 variant runs one program a row) against the plain SwiGLU with and without a quantize launch after
+    it, and the quantize launch alone on o_proj's input (4096)."""
+    for m in (1, 8, 64, 128, 256):
         RESULTS["producers"].append(producers_row(m))
 
 
 def producers_row(m: int) -> dict[str, Any]:
-    """The producers' times at m rows."""
-    x, res = (torch.randn(m, 4096, device=DEV, dtype=DT) for _ in range(2))
+    """The producers' times at m rows, us."""
+    from fp8_gemm_sweep import graph_us
+
+    copies = max(2, int(3 * 60e6 // (m * 2 * 14336 * 2)) + 1)
+    xs = [torch.randn(m, 4096, device=DEV, dtype=DT) for _ in range(copies)]
+    res = [torch.randn(m, 4096, device=DEV, dtype=DT) for _ in range(copies)]
     w = torch.randn(4096, device=DEV, dtype=DT)
-    gate_up = torch.randn(m, 2 * 14336, device=DEV, dtype=DT)
+    gate_up = [torch.randn(m, 2 * 14336, device=DEV, dtype=DT) for _ in range(copies)]
     row = {
         "m": m,
-        "ms_rms_norm": bench(lambda: tk.rms_norm(x, w, 1e-5, res)),
-        "ms_rms_norm_fp8": bench(lambda: tk.rms_norm_fp8(x, w, 1e-5, res)),
-        "ms_silu_and_mul": bench(lambda: tk.silu_and_mul(gate_up)),
-        "ms_silu_and_mul_fp8": bench(lambda: tk.silu_and_mul_fp8(gate_up)),
+        "rms_norm": graph_us(lambda i: tk.rms_norm(xs[i], w, 1e-5, res[i]), copies),
+        "rms_norm_fp8": graph_us(lambda i: tk.rms_norm_fp8(xs[i], w, 1e-5, res[i]), copies),
+        "silu_and_mul": graph_us(lambda i: tk.silu_and_mul(gate_up[i]), copies),
+        "silu_and_mul_fp8": graph_us(lambda i: tk.silu_and_mul_fp8(gate_up[i]), copies),
+        "silu_and_mul+quantize": graph_us(lambda i: tk.quantize_fp8(tk.silu_and_mul(gate_up[i])), copies),
+        # The fused SwiGLU's other launch shapes: the row in one tile with 8 or 32 warps, or walked twice.
+        **{
+            f"silu_and_mul_fp8 {cfg}": graph_us(lambda i, c=cfg: tk.silu_and_mul_fp8(gate_up[i], c), copies)
+            for cfg in [(True, 16384, 8), (True, 16384, 32), (False, 4096, 8), (False, 2048, 4)]
+        },
+        "quantize_4096": graph_us(lambda i: tk.quantize_fp8(xs[i]), copies),
     }
-    print(f"producers m={m}: " + ", ".join(f"{k[3:]} {v * 1e3:.1f} us" for k, v in row.items() if k != "m"))
+    print(f"producers m={m}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items() if k != "m"), flush=True)
     return row
 
 
@@ -286,10 +300,26 @@ def table() -> str:
             + [us(r["ms_scaled_mm_fast"]), us(r["ms_quantize"]), r["best_fp8"], f"{r['speedup_vs_bf16']:.2f}"]
         )
     lines += markdown(header, rows)
-    keys = ["ms_rms_norm", "ms_rms_norm_fp8", "ms_silu_and_mul", "ms_silu_and_mul_fp8"]
+    keys = [
+        "rms_norm",
+        "rms_norm_fp8",
+        "silu_and_mul",
+        "silu_and_mul_fp8",
+        "silu_and_mul+quantize",
+        "quantize_4096",
+    ]
     lines += markdown(
-        ["producers, us", "M", "RMSNorm", "RMSNorm FP8", "SwiGLU", "SwiGLU FP8"],
-        [["", str(r["m"])] + [us(r[k]) for k in keys] for r in RESULTS["producers"]],
+        [
+            "producers, us",
+            "M",
+            "RMSNorm",
+            "RMSNorm FP8",
+            "SwiGLU",
+            "SwiGLU FP8",
+            "SwiGLU, quantize",
+            "quantize 4096",
+        ],
+        [["", str(r["m"])] + [f"{r[k]:.1f}" for k in keys] for r in RESULTS["producers"]],
     )
     if RESULTS["sweep"]:
         lines += markdown(
@@ -317,10 +347,15 @@ def main() -> None:
     out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "out")) / "fp8-kernels.json"
     parser.add_argument("--json", default=str(out), help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="no tiling sweep")
+    parser.add_argument("--producers-only", action="store_true", help="time the fused producers only")
     args = parser.parse_args()
     torch.manual_seed(0)
     ops.prefer_cublaslt()  # as the model runner does
     RESULTS["device"] = torch.cuda.get_device_name()
+    if args.producers_only:
+        producers()
+        write_json(args.json, RESULTS)
+        return
     correctness()
     linear()
     producers()

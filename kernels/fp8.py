@@ -118,9 +118,14 @@ def _quantize_kernel(
 
 
 def _launch(
-    x: torch.Tensor, n_cols: int, swiglu: bool, static_scale: torch.Tensor | None
+    x: torch.Tensor,
+    n_cols: int,
+    swiglu: bool,
+    static_scale: torch.Tensor | None,
+    config: tuple[bool, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 `[T, n_cols]`, float32 scales `[T, 1]`) of x's T rows (rows contiguous)."""
+    """(E4M3 `[T, n_cols]`, float32 scales `[T, 1]`) of x's T rows (rows contiguous). `config`: (one tile, BLOCK,
+    num_warps), default from the row length (benchmarks/fp8_kernels.py times others)."""
     assert x.dim() == 2 and x.stride(1) == 1
     n_rows = x.shape[0]
     q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)
@@ -129,6 +134,9 @@ def _launch(
         # Rows up to ONE_TILE_MAX in one tile (at most 32 values a thread), longer ones in tiles walked twice.
         one_tile = n_cols <= ONE_TILE_MAX
         block = triton.next_power_of_2(max(n_cols, 1)) if one_tile else 4096
+        warps = min(16, max(1, block // 512))
+        if config is not None:
+            one_tile, block, warps = config
         _quantize_kernel[(n_rows,)](
             x,
             q,
@@ -142,7 +150,7 @@ def _launch(
             ONE_TILE=one_tile,
             BLOCK=block,
             INTERPRET=INTERPRET,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=warps,
             **pdl_options(x),
         )
     return q, scale
@@ -157,9 +165,11 @@ def quantize_per_token(
     return _launch(x, x.shape[1], False, static_scale)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(
+    x: torch.Tensor, config: tuple[bool, int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of x `[T, 2 * I]` (gate then up; rows as `silu_and_mul` takes them) quantized per token:
     (E4M3 `[T, I]`, float32 scale `[T, 1]`), exactly `fp8.quantize_per_token(silu_and_mul(x))`. One program a
     row, since the scale needs the whole row's amax."""
     assert x.shape[1] % 2 == 0
-    return _launch(x, x.shape[1] // 2, True, None)
+    return _launch(x, x.shape[1] // 2, True, None, config)

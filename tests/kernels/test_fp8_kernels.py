@@ -151,15 +151,15 @@ def test_fp8_gemv_configs(config: tuple[int, int, int]) -> None:
         (None, None, None),
     ],
 )
-@pytest.mark.parametrize("m", [1, fp8.GEMV_ROWS, 11, fp8.GEMM_ROWS + 3])
+@pytest.mark.parametrize("m", [1, 4, 11, fp8.GEMM_ROWS + 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_dispatch(
     scheme: tuple, m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`fp8_linear` gives `ref_fp8_linear`'s numbers whichever path the rows take: the GEMV up to GEMV_ROWS,
-    the Triton FP8 matmul up to GEMM_ROWS, torch._scaled_mm (here torch's CPU one, with the arguments the GPU's
-    takes: a row-major, b column-major, scales [M, 1] and [1, N]) for more bf16 rows, the float32 reference for
-    float32 rows, block scales and weight-only layers."""
+    """`fp8_linear` gives `ref_fp8_linear`'s numbers whichever path the rows take: the GEMV up to GEMV_ROWS
+    (none by default), the Triton FP8 matmul up to GEMM_ROWS, torch._scaled_mm (here torch's CPU one, with the
+    arguments the GPU's takes: a row-major, b column-major, scales [M, 1] and [1, N]) for more bf16 rows, the
+    float32 reference for float32 rows, block scales and weight-only layers."""
     activations, block, input_scale = scheme
     n, k = 48, 64
     w, ws = weight(n, k, seed=m)

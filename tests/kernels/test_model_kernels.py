@@ -5,6 +5,7 @@ produce them)."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -70,17 +71,20 @@ def test_fp8_model_fuses_the_quantization_and_equals_the_references(
     run_paged, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FP8 weights with dynamic per-token activations (as `quantization="fp8"` loads them): the norms and the
-    SwiGLU emit quantized rows, o_proj's input is quantized by the one launch, decode steps' rows go through the
-    FP8 GEMV; the logits equal the torch references' (which quantize each layer's input themselves) up to an
-    activation that lands one E4M3 step apart when a kernel's float32 rounding differs by an ulp."""
+    SwiGLU emit quantized rows, o_proj's input is quantized by the one launch, every step's rows (up to
+    GEMM_ROWS) go through the Triton FP8 matmul; the logits equal the torch references' (which quantize each
+    layer's input themselves) up to an activation that lands one E4M3 step apart when a kernel's float32
+    rounding differs by an ulp."""
     online = Fp8Scheme("channel", "token", online=True)
     model = tiny_model(2, seed=3, quant=Quantization("fp8", {n: online for n in linear_layers(2, False)}))
     assert model.layers[0].input_layernorm.fp8 and model.layers[1].mlp.fp8 and not model.norm.fp8
     calls: dict[str, list[int]] = {}
-    for name in ("rms_norm_fp8", "silu_and_mul_fp8", "quantize_fp8", "fp8_gemv"):
-        kernel = getattr(kernels, name)
+    for module, name in [(kernels, n) for n in ("rms_norm_fp8", "silu_and_mul_fp8", "quantize_fp8")] + [
+        (importlib.import_module("tinypaged.kernels.fp8_gemm"), "fp8_gemm")
+    ]:
+        kernel = getattr(module, name)
         monkeypatch.setattr(
-            kernels, name, lambda *a, k=kernel, n=name: calls.setdefault(n, []).append(1) or k(*a)
+            module, name, lambda *a, k=kernel, n=name: calls.setdefault(n, []).append(1) or k(*a)
         )
     prompts = [[5, 17, 3, 96, 40, 2, 7], [11, 12]]
     decodes = [[8, 9], [1, 2]]
@@ -90,7 +94,7 @@ def test_fp8_model_fuses_the_quantization_and_equals_the_references(
         "rms_norm_fp8": 2 * 2 * steps,
         "silu_and_mul_fp8": 2 * steps,
         "quantize_fp8": 2 * steps,
-        "fp8_gemv": 4 * 2 * len(decodes[0]),
+        "fp8_gemm": 4 * 2 * steps,
     }
     with ops.torch_reference_ops():
         want = run_paged(model, prompts, 8, decodes)
