@@ -161,6 +161,11 @@ _FP8_KERNELS = {
     "fp8._quantize_kernel two passes": _quantize(False, False, 4096),
     "fp8._quantize_kernel swiglu": _quantize(True, True, 16384),
     "fp8._quantize_kernel swiglu two passes": _quantize(True, False, 4096),
+    "fp8._swiglu_tiles_kernel": ({"x_ptr": "*bf16", "h_ptr": "*bf16", "amax_ptr": "*fp32"}, {"BLOCK": 1024}),
+    "fp8._quantize_tiles_kernel": (
+        {"h_ptr": "*bf16", "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        {"TILES": 16, "BLOCK": 1024},
+    ),
     "norm._rms_norm_kernel": (
         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
          "scale_ptr": "*fp32"},
@@ -198,6 +203,8 @@ def test_fp8_kernels_compile_for_hopper(name: str) -> None:
     assert wait < min(ptx.find(op) % len(ptx) for op in ("ld.global", "st.global"))
     if "gemv" in module:
         assert ptx.count("ld.global.v4") >= 8 * 1024 // 16 // (32 * 4)
+    elif fn_name == "_swiglu_tiles_kernel":
+        assert "cvt.rn.bf16" in ptx
     else:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
 
