@@ -4,7 +4,8 @@ reference every kernel is tested against, and the dispatch of a layer to its ker
 The layout is kernels/lowbit.py's (its docstring): codes unsigned, `32 / bits` a word along each weight row
 (`qweight` int32 `[N, K * bits / 32]`), float32 `scales` `[K / group, N]`, uint8 `zeros` `[K / group, N]` or
 none (symmetric: the zero point is 2^(bits - 1)); a weight is `(code - zero) * scale` in float32. Every
-checkpoint format is repacked into it at load (model/quant/int_formats.py), losslessly: unpacking gives the
+checkpoint format is repacked into it at load (`IntLinearMethod` in model/quant/linear.py, with the
+converters below), losslessly: unpacking gives the
 checkpoint's own codes, zero points and scales.
 
 `ref_wint_linear` is `x @ dequant(W).T (+ bias)` in float32, returned in x's dtype: what the CPU runs (the weight
@@ -57,6 +58,28 @@ def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per, dtype=torch.int32, device=qweight.device) * bits
     codes = (qweight[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.flatten(-2)
+
+
+# AutoAWQ's GEMM packing puts column order[j] of each run of 8 in bits [4j, 4j + 4) of a word, order being
+# (0, 2, 4, 6, 1, 3, 5, 7); column c of a run is then in the word's code _AWQ_CODE[c].
+_AWQ_CODE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def from_gptq(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ's `qweight` `[K * bits / 32, N]` in the kernels' layout: GPTQ packs consecutive input columns into
+    a word, the first in the low bits, as the kernels do, only along the other dim: a transpose."""
+    return qweight.t().contiguous()
+
+
+def awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes `[R, N]` of AWQ-packed words `[R, N / 8]` (`qweight`, `qzeros`), in column order."""
+    codes = unpack(packed, 4)
+    return codes.view(*codes.shape[:-1], -1, 8)[..., list(_AWQ_CODE)].flatten(-2)
+
+
+def from_awq(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ's `qweight` `[K, N / 8]` in the kernels' layout `[N, K / 8]`."""
+    return pack(awq_columns(qweight).t(), 4)
 
 
 def expand_groups(t: torch.Tensor, group: int) -> torch.Tensor:
