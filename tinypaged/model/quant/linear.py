@@ -240,8 +240,8 @@ class IntLinearMethod(LinearMethod):
         s = self.scheme
         part = slice(None) if rows is None else slice(*rows)
         n = layer.out_features if rows is None else rows[1] - rows[0]
-        if suffix == "weight":
-            w = lowbit.quantize_rtn(src, s.bits, layer.group, not s.zero_points)
+        if suffix == "weight":  # rounded where the layer lives (a GPU does an 8B model in seconds)
+            w = lowbit.quantize_rtn(src.to(layer.qweight.device), s.bits, layer.group, not s.zero_points)
             layer.qweight[part].copy_(w.qweight)
             layer.scales[:, part].copy_(w.scales)
             if w.zeros is not None:
