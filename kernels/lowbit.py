@@ -330,7 +330,7 @@ def wint_gemv(
     assert 1 <= m <= GEMV_MAX_ROWS
     sms = num_sms(x.device) if x.is_cuda else 132
     block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms)
-    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 1, dot=False)
+    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
 
 
 def wint_gemm(
