@@ -240,25 +240,36 @@ PROMPTS = [
 ]
 
 
+def linear_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Every linear layer's weight as the engine runs it, in float32 (dequantized where quantized)."""
+    return {
+        n: lowbit.dequantize_weight(m.method.weight(m)) if hasattr(m, "qweight") else m.weight.float()
+        for n, m in llm.engine.runner.model.named_modules()
+        if n.endswith("_proj")
+    }
+
+
 def part_accuracy(res: dict[str, Any], args: argparse.Namespace) -> None:
     out = res.setdefault(
         "accuracy", {"model": args.model, "prompts": len(PROMPTS), "tokens": args.greedy_tokens}
     )
     params = greedy(args.greedy_tokens)
-    ref = None
+    ref, ref_w = None, {}
     for name in ("none", "int4", "int8"):
         llm = LLM(model=args.model, max_model_len=512, **({} if name == "none" else {"quantization": name}))
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
         toks = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-        row = {"weights_bytes": llm.engine.runner.stats.weights_bytes}
+        row: dict[str, Any] = {"weights_bytes": llm.engine.runner.stats.weights_bytes}
+        weights = linear_weights(llm)
         if ref is None:
-            ref = toks
+            ref, ref_w = toks, weights
         else:
+            errs = [((weights[n] - w).norm() / w.norm()).item() for n, w in ref_w.items()]
+            row["weight_rel_err_mean"], row["weight_rel_err_max"] = float(np.mean(errs)), max(errs)
             row["identical"] = sum(a == b for a, b in zip(toks, ref, strict=True))
-            row["mean_prefix_share"] = float(
-                np.mean([common_prefix(a, b) / len(b) for a, b in zip(toks, ref, strict=True)])
-            )
+            shares = [common_prefix(a, b) / len(b) for a, b in zip(toks, ref, strict=True)]
+            row["mean_prefix_share"] = float(np.mean(shares))
         out[name] = row
         free_llm(llm)
         write_json(args.json, res)
@@ -309,7 +320,8 @@ def print_table(res: dict[str, Any]) -> None:
             print(
                 f"accuracy {name}: greedy identical to the unquantized model on {a['identical']}/{acc['prompts']} "
                 f"prompts of {acc['tokens']} tokens (mean common prefix {a['mean_prefix_share']:.2f}); weights "
-                f"{a['weights_bytes'] / full:.2f}x the unquantized model's"
+                f"{a['weights_bytes'] / full:.2f}x the unquantized model's bytes, relative error "
+                f"{a['weight_rel_err_mean']:.4f} (mean of the layers; max {a['weight_rel_err_max']:.4f})"
             )
     engines = res.get("engines", {})
     if engines:
