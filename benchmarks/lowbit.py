@@ -11,7 +11,8 @@ and batch-16 decode of INT4 g128 and INT8 side by side with bf16, in one run.
   codes; relative error, bf16 output), and the dequantize kernel bit for bit against the reference rounded to
   bf16. Then times (medians of `triton.testing.do_bench`, the L2 cleared before each call) at M = 1..256 rows
   of bf16 `ops.linear`, the GEMV (up to 4 rows), the tensor-core kernel and dequantize + matmul (from 16
-  rows), with the weight bytes each reads per second; and at one row the GEMV's tilings and K splits swept.
+  rows), with the weight bytes each reads per second; and at one row the GEMV's tilings (rows and columns a
+  step: 1-4 groups) and K splits swept.
   These set `GEMV_ROWS` / `GEMM_ROWS` (model/quant/lowbit.py) and the configs (kernels/lowbit.py).
 - `--part decode`: engines bf16, int4 (`quantization="int4"`: groups of 128 with zero points) and int8
   (`"int8"`: groups of 128, symmetric), each loaded from the same random bf16 checkpoint (rounded at load, on
@@ -32,6 +33,7 @@ Targets: INT4 batch-1 >= 2.0x bf16, INT8 batch-1 >= 1.5x, INT4 batch-16 >= 1.7x.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 import traceback
@@ -143,21 +145,19 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
             x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
             for fmt in ("int4-g128-zp", "int8-g128-sym"):
                 w = packed[fmt]
-                for block_n in (8, 16, 32, 64):
-                    for split in (1, 2, 4, 8):
-                        for warps in (4, 8):
-                            if (k // 128) % split:
-                                continue
-                            cfg = (block_n, 128, split, warps)
-                            try:
-                                us = 1e3 * bench(lambda c=cfg, x=x, w=w: kernels.wint_gemv(x, w, config=c))
-                            except Exception as e:  # noqa: BLE001 - a tiling that does not compile
-                                us = float("nan")
-                                print(f"{name} {fmt} {cfg}: {type(e).__name__}: {e}")
-                            default = cfg == kernels.gemv_config(1, n, k, 128)
-                            sweep.append(
-                                {"layer": name, "format": fmt, "config": cfg, "us": us, "default": default}
-                            )
+                for block_n, block_k, split in itertools.product(
+                    (8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8)
+                ):
+                    if not 2048 <= block_n * block_k <= 16384 or k % block_k or (k // block_k) % split:
+                        continue
+                    cfg = (block_n, block_k, split, 4)
+                    try:
+                        us = 1e3 * bench(lambda c=cfg, x=x, w=w: kernels.wint_gemv(x, w, config=c), rep=30)
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile
+                        us = float("nan")
+                        print(f"{name} {fmt} {cfg}: {type(e).__name__}: {e}")
+                    default = cfg == kernels.gemv_config(1, n, k, 128)
+                    sweep.append({"layer": name, "format": fmt, "config": cfg, "us": us, "default": default})
         torch.cuda.empty_cache()
         write_json(args.json, res)
 

@@ -13,8 +13,9 @@ The layout (`model/quant/lowbit.py` packs it, and repacks every checkpoint forma
 
 Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
 - `wint_gemv` (1-4 rows): a program owns BLOCK_N weight rows and walks K one group (or a power-of-two part of
-  one) at a time, unpacking the words with shifts, dequantizing in registers to float32 and keeping float32
-  partial products per thread, as kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
+  one; or, with a power-of-two group, several whole groups: a config the sweep tries) at a time, unpacking the
+  words with shifts, dequantizing in registers to float32 and keeping float32 partial products per thread, as
+  kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
   128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
   float32 partial sums, which `_reduce_kernel` adds (bias and cast there): deterministic, no atomics.
   Products and sums are float32: it matches the float32 reference up to the order of the sums.
@@ -130,15 +131,28 @@ def _wint_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides GROUP, which divides K: no tail
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
         q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
-        s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-        if not DOT:
+        if BLOCK_K > GROUP:  # the GEMV over several whole groups a step (a power-of-two group)
+            gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s_at = s_ptr + gs[None, :] * stride_s + cols[:, None]
+            s2 = tl.load(s_at, mask=col_ok[:, None], other=0.0)
+            if HAS_ZERO:
+                z_at = z_ptr + gs[None, :] * stride_s + cols[:, None]
+                z2 = tl.load(z_at, mask=col_ok[:, None], other=0).to(tl.float32)
+            else:
+                z2 = tl.zeros_like(s2) + (1 << (BITS - 1))
+            q3 = tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = tl.reshape((q3 - z2[:, :, None]) * s2[:, :, None], (BLOCK_N, BLOCK_K))
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        elif not DOT:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
             w = (q.to(tl.float32) - z[:, None]) * s[:, None]
             acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
         else:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
             w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
             if SWAP_AB:
                 if IEEE:
@@ -299,7 +313,9 @@ def _launch(
     """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
-    assert w.group % block_k == 0 and (k // block_k) % split == 0
+    # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
+    spans = not dot and block_k % w.group == 0 and w.group & (w.group - 1) == 0
+    assert (w.group % block_k == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

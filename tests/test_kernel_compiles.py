@@ -301,6 +301,8 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
     )
     assert ptx.count("ld.global.v4") >= 32 * 128 * bits // 8 // 16 // 128
+    wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
     for block_m, swap in ((16, True), (64, False)):
         gemm = _lowbit_compile(
             "_wint_kernel",

@@ -56,6 +56,15 @@ def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetr
     torch.testing.assert_close(wint_gemv(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (8, True)])
+def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
+    """A power-of-two group: the GEMV's step may span 2 or 4 whole groups (K split too)."""
+    x, q, bias = operands(2, 24, 512, bits, 32, symmetric, torch.float32, seed=bits)
+    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4)]:
+        y = wint_gemv(x, q, bias=bias, config=cfg)
+        torch.testing.assert_close(y.double(), want(x, q, bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits, group, symmetric", CASES)
 def test_gemm_matches_dequantized_product(bits: int, group: int, symmetric: bool) -> None:
     """Transposed (row tiles under 64) and plain tiles, K split or not, fp16 and float32."""
