@@ -41,10 +41,10 @@ from common import (
     Work,
     add_w1_args,
     common_prefix,
-    device_name,
     free_llm,
     generate_with_stats,
     greedy,
+    header,
     kv_bytes_per_token,
     layer_params,
     make_workload,
@@ -329,12 +329,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     add_w1_args(ap)
     args = ap.parse_args()
-    res: dict[str, Any] = {
-        "device": device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    res["args"] = vars(args)
+    res = header(args)
     try:
         (part_speed if args.part == "speed" else part_kv_bound)(args, res)
     finally:

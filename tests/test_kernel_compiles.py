@@ -270,3 +270,54 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
     assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx
     assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+
+
+def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) -> Any:
+    from tinypaged.kernels import lowbit
+
+    fn = getattr(lowbit, fn_name)
+    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32"}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+        for a in fn.arg_names
+    }
+    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr" and a != "M"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
+    """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not), reduce and dequantize kernels compile
+    for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the tensor-core
+    kernel runs bf16 wgmma."""
+    base = {
+        "GROUP": 128,
+        "BITS": bits,
+        "HAS_ZERO": bits == 4,
+        "HAS_BIAS": False,
+        "BLOCK_K": 128,
+        "USE_PDL": True,
+    }
+    gemv = _lowbit_compile(
+        "_wint_kernel", base | {"BLOCK_M": 1, "BLOCK_N": 32, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    )
+    ptx = gemv.asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < min(
+        ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
+    )
+    assert ptx.count("ld.global.v4") >= 32 * 128 * bits // 8 // 16 // 128
+    wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
+    for block_m, swap in ((16, True), (64, False)):
+        gemm = _lowbit_compile(
+            "_wint_kernel",
+            base | {"BLOCK_M": block_m, "BLOCK_N": 64, "DOT": True, "SWAP_AB": swap, "IEEE": False},
+        )
+        assert "wgmma" in gemm.asm["ptx"]
+    _lowbit_compile("_reduce_kernel", {"HAS_BIAS": True, "BLOCK": 1024, "USE_PDL": True})
+    _lowbit_compile(
+        "_dequantize_kernel",
+        {k: base[k] for k in ("GROUP", "BITS", "HAS_ZERO", "BLOCK_K", "USE_PDL")} | {"BLOCK_N": 32},
+    )
