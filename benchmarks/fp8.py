@@ -60,19 +60,12 @@ from throughput import ideal_decode_steps, run_ours
 
 from tinypaged import LLM
 from tinypaged.config import ModelConfig
-from tinypaged.model.quant import fp8 as fp8_quant
-
-DEFAULT_ROWS = fp8_quant.GEMV_ROWS, fp8_quant.GEMM_ROWS
 
 ENGINES: dict[str, dict[str, Any]] = {
     "bf16": {},
     "bf16+kv8": {"kv_cache_dtype": "fp8"},
     "fp8": {"quantization": "fp8"},
     "fp8+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    # FP8 weights and KV with the matmul dispatch before the split-K FP8 matmul was measured: the FP8 GEMV up
-    # to 4 rows, the Triton FP8 matmul up to 64, cuBLASLt above (module settings of `fp8`, set before the
-    # engine captures its graphs).
-    "fp8+kv8-gemv": {"quantization": "fp8", "kv_cache_dtype": "fp8", "gemv_rows": 4, "gemm_rows": 64},
 }
 
 
@@ -189,11 +182,8 @@ def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
         extra = ENGINES[name]
         out: dict[str, Any] = res.setdefault("engines", {}).setdefault(name, {"args": extra})
         t0 = time.perf_counter()
-        engine_args = {k: v for k, v in extra.items() if k not in ("gemv_rows", "gemm_rows")}
-        fp8_quant.GEMV_ROWS = extra.get("gemv_rows", DEFAULT_ROWS[0])
-        fp8_quant.GEMM_ROWS = extra.get("gemm_rows", DEFAULT_ROWS[1])
         try:
-            llm = LLM(model=args.model, **w1_engine_args(args), **engine_args)
+            llm = LLM(model=args.model, **w1_engine_args(args), **extra)
         except Exception as e:
             traceback.print_exc()
             out["error"] = f"{type(e).__name__}: {e}"

@@ -1,12 +1,12 @@
 """The FP8 linear paths at the 8B layers and 1-256 rows, timed as CUDA-graph replays: bf16 (the Triton GEMV at one
-row, cuBLASLt above), the FP8 GEMV (up to 8 rows), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default
-tiling and the best of a sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch; first,
+row, cuBLASLt above), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default tiling and the best of a
+sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch; first,
 the board's bf16 and FP8 matmul rates at 8192^3 (the FP8 roofline's ceiling).
 
 Eager timing (`do_bench`) of kernels of 10-50 us measured the host's launch time here (benchmarks/NOTES.md), so each
 figure is the median over 15 replays of a graph of `2 x copies` launches, each launch reading another copy of
 the weights (copies enough to exceed the L2 three times). Relative error against the float32 product of the
-dequantized operands is printed for the Triton matmul. Sets `GEMV_ROWS` and `GEMM_ROWS` in
+dequantized operands is printed for the Triton matmul. Sets `GEMM_ROWS` in
 `tinypaged/model/quant/fp8.py` and the matmul's `default_config`.
 
     python3 benchmarks/fp8_gemm_sweep.py --json $OUT/fp8-gemm-sweep.json
@@ -25,7 +25,7 @@ from common import write_json
 
 from tinypaged.kernels.fp8 import quantize_per_token as quantize_launch
 from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm
-from tinypaged.kernels.gemv import fp8_gemv, gemv
+from tinypaged.kernels.gemv import gemv
 from tinypaged.model.quant.fp8 import quantize_per_channel, quantize_per_token
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -113,8 +113,6 @@ def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: 
     r["bf16_us"] = graph_us(
         lambda i: gemv(xb, wb[i]) if m == 1 else torch.nn.functional.linear(xb, wb[i]), copies
     )
-    if m <= 8:
-        r["fp8_gemv_us"] = graph_us(lambda i: fp8_gemv(xq, xs, *ws[i], None, torch.bfloat16), copies)
     r["quantize_us"] = graph_us(lambda i: quantize_launch(xb), copies)
     r["scaled_mm_us"] = graph_us(
         lambda i: torch._scaled_mm(
@@ -149,12 +147,12 @@ def main() -> None:
             res.append(r)
             write_json(args.json, res)
     print(
-        f"{'layer':<8} {'M':>4} {'bf16':>7} {'gemv8':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'TB/s':>5} "
+        f"{'layer':<8} {'M':>4} {'bf16':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'TB/s':>5} "
         f"{'best':>7} {'det':>3} {'row0':>4} default / best tiling"
     )
     for r in res[1:]:
         print(
-            f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} {r.get('fp8_gemv_us', float('nan')):7.1f} "
+            f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} "
             f"{r['quantize_us']:6.1f} {r['scaled_mm_us']:7.1f} {r['fp8_gemm_us']:7.1f} {r['fp8_gemm_tbps']:5.2f} "
             f"{r.get('fp8_gemm_best_us', float('nan')):7.1f} {r['deterministic']!s:>3.3} "
             f"{r['row0_same_as_alone']!s:>4.4} {r['fp8_gemm_default']} / {r.get('fp8_gemm_best', '')}"
