@@ -1,0 +1,119 @@
+"""The persistent compile cache: Triton's compiled kernels kept under the model cache directory
+(`<TINYPAGED_HOME>/compile/triton`), so that a restart on the same machine loads them instead of compiling them
+again, and `tinypaged warmup` can fill it ahead of time (a VM image, a container build).
+
+Triton reads TRITON_CACHE_DIR each time it compiles, so setting it before the first launch is enough; a value
+the user set is kept. The cache is checked before use: a directory that cannot be written is replaced by a
+fresh temporary one, and an entry whose files do not parse or are missing is deleted (Triton compiles it
+again), each with a warning: a bad cache costs compile time, never a crash. Nothing here imports torch or
+Triton. (torch's inductor is not used by tinypaged: it has no cache to keep.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENV = "TRITON_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """Where Triton's cache is and what was in it when the engine started."""
+
+    path: Path
+    entries: int  # compiled kernels found (Triton's cache directories)
+    removed: int  # entries deleted as corrupt
+    fallback: bool  # the configured directory was unusable: a temporary one is used instead
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        note = f", {self.removed} corrupt removed" if self.removed else ""
+        note += " (a temporary directory: the configured one was unusable)" if self.fallback else ""
+        return f"{self.path} ({self.entries} kernels cached{note})"
+
+
+def default_dir() -> Path:
+    """`<TINYPAGED_HOME>/compile/triton`: beside the models, kept with them."""
+    from tinypaged.weights.fetch import tinypaged_home
+
+    return tinypaged_home() / "compile" / "triton"
+
+
+def setup() -> CacheState:
+    """Point Triton's cache at the persistent directory (TRITON_CACHE_DIR if set, else `default_dir()`), checked
+    and cleaned; call it before anything compiles. Never raises for a bad cache."""
+    path = Path(os.environ.get(ENV) or default_dir()).expanduser()
+    fallback = False
+    if not _writable(path):
+        fallback = True
+        bad = path
+        path = Path(tempfile.mkdtemp(prefix="tinypaged-triton-"))
+        logger.warning("the compile cache %s cannot be written: using %s (kernels compile afresh)", bad, path)
+    entries, removed = _clean(path)
+    os.environ[ENV] = str(path)
+    return CacheState(path, entries, removed, fallback)
+
+
+def _writable(path: Path) -> bool:
+    """Whether `path` is (or can be made) a directory this process writes and reads back."""
+    probe = path / f".probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        ok = probe.read_bytes() == b"ok"
+        probe.unlink()
+        return ok and os.access(path, os.R_OK | os.W_OK | os.X_OK)
+    except OSError:
+        return False
+
+
+def _clean(path: Path) -> tuple[int, int]:
+    """Delete the cache entries Triton would fail on: a directory (one compiled kernel) with a JSON file that does
+    not parse, an empty file, or a group file naming a file that is not there. Returns (entries kept, removed)."""
+    kept = removed = 0
+    try:
+        entries = [e for e in path.iterdir() if e.is_dir()]
+    except OSError as e:
+        logger.warning("the compile cache %s cannot be listed (%s): it is left as it is", path, e)
+        return 0, 0
+    for entry in entries:
+        why = _fault(entry)
+        if why is None:
+            kept += 1
+            continue
+        logger.warning("compile cache entry %s is corrupt (%s): removed, it compiles again", entry.name, why)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += 1
+    return kept, removed
+
+
+def _fault(entry: Path) -> str | None:
+    """What is wrong with one cache entry (None: nothing)."""
+    try:
+        files = [f for f in entry.iterdir() if f.is_file()]
+        for f in files:
+            if f.name == "lock":
+                continue
+            if f.stat().st_size == 0:
+                return f"{f.name} is empty"
+            if f.suffix != ".json":
+                continue
+            data = json.loads(f.read_text())
+            if f.name.startswith("__grp__"):
+                children = data.get("child_paths") if isinstance(data, dict) else None
+                if not isinstance(children, dict):
+                    return f"{f.name} lists no files"
+                missing = [c for c, p in children.items() if not os.path.isfile(p)]
+                if missing:
+                    return f"{f.name} names missing files ({', '.join(sorted(missing))})"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
