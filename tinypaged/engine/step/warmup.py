@@ -178,7 +178,10 @@ def warm_up(engine: LLMEngine, force: bool = False) -> float:
         out = engine.executor.execute(steps[-1], (0,))
         assert out is not None
         _warm_sampler(engine, out.logits)
-        engine.grammars.compile(_SCHEMA)  # llguidance's view of the tokenizer, built once
+        try:  # llguidance's view of the tokenizer, built once; structured outputs alone depend on it
+            engine.grammars.compile(_SCHEMA)
+        except Exception as e:  # noqa: BLE001 - the engine serves without it; a grammar request will say why
+            logger.warning("warm-up: compiling a grammar failed (%s); structured outputs may not work", e)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
