@@ -98,3 +98,21 @@ def test_an_unlistable_cache_is_left_alone(cache_env: Path, monkeypatch: pytest.
     monkeypatch.setattr(Path, "iterdir", refuse)
     state = compile_cache.setup()
     assert (state.entries, state.removed) == (0, 0)
+
+
+def test_a_moved_cache_is_used_where_it_is(cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's group files name the kernel's files by absolute path: a cache filled elsewhere (a VM image built
+    under another TINYPAGED_HOME) is repaired, not thrown away."""
+    monkeypatch.setenv(compile_cache.ENV, str(cache_env / "built"))
+    compile_cache.setup()
+    _compile()
+    (cache_env / "built").rename(cache_env / "moved")
+    monkeypatch.setenv(compile_cache.ENV, str(cache_env / "moved"))
+    state = compile_cache.setup()
+    assert (state.entries, state.removed) == (1, 0)
+    (entry,) = [e for e in state.path.iterdir() if e.is_dir()]
+    (group,) = entry.glob("__grp__*.json")
+    assert all(p.startswith(str(entry)) for p in json.loads(group.read_text())["child_paths"].values())
+    before = {f: f.stat().st_mtime_ns for f in entry.iterdir()}
+    _compile()  # a cache hit: nothing rewritten
+    assert {f: f.stat().st_mtime_ns for f in entry.iterdir()} == before

@@ -4,9 +4,10 @@ again, and `tinypaged warmup` can fill it ahead of time (a VM image, a container
 
 Triton reads TRITON_CACHE_DIR each time it compiles, so setting it before the first launch is enough; a value
 the user set is kept. The cache is checked before use: a directory that cannot be written is replaced by a
-fresh temporary one, and an entry whose files do not parse or are missing is deleted (Triton compiles it
-again), each with a warning: a bad cache costs compile time, never a crash. Nothing here imports torch or
-Triton. (torch's inductor is not used by tinypaged: it has no cache to keep.)
+fresh temporary one, an entry whose files do not parse or are missing is deleted (Triton compiles it again),
+each with a warning, and a cache that was moved (Triton records absolute paths) is pointed at its files: a bad
+cache costs compile time, never a crash. Nothing here imports torch or Triton. (torch's inductor is not used
+by tinypaged: it has no cache to keep.)
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _writable(path: Path) -> bool:
 
 def _clean(path: Path) -> tuple[int, int]:
     """Delete the cache entries Triton would fail on: a directory (one compiled kernel) with a JSON file that does
-    not parse, an empty file, or a group file naming a file that is not there. Returns (entries kept, removed)."""
+    not parse, an empty file, or a group file naming a file that is not there (a moved entry's group is pointed
+    at its files). Returns (entries kept, removed)."""
     kept = removed = 0
     try:
         entries = [e for e in path.iterdir() if e.is_dir()]
@@ -111,9 +113,14 @@ def _fault(entry: Path) -> str | None:
                 children = data.get("child_paths") if isinstance(data, dict) else None
                 if not isinstance(children, dict):
                     return f"{f.name} lists no files"
-                missing = [c for c, p in children.items() if not os.path.isfile(p)]
+                # Triton names a kernel's files by absolute path: a cache moved elsewhere (a VM image, another
+                # TINYPAGED_HOME) is pointed at its files where they are now.
+                here = {c: str(entry / Path(p).name) for c, p in children.items()}
+                missing = [c for c, p in here.items() if not os.path.isfile(p)]
                 if missing:
                     return f"{f.name} names missing files ({', '.join(sorted(missing))})"
+                if here != children:
+                    f.write_text(json.dumps({"child_paths": here}))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None
