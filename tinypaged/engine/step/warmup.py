@@ -15,7 +15,7 @@ small steps with prefill chunks launch; what runs outside them is warmed here, f
   row, the FP8 GEMV up to 4, the FP8 matmul's 16-, 32- and 64-row tiles, torch._scaled_mm past 64, each on both
   sides of 16's divisibility) and one decode per power-of-two context length (decode attention's split count
   grows with the context), through the executor, so on every tensor-parallel rank; the first step also copies a
-  block (copy-on-write: the forks of n > 1, best_of and beam search).
+  block (copy-on-write: the forks of n > 1, best_of and beam search) and swaps one out and in (preemption).
 
 tests/engine/test_warmup.py checks the tables against the dispatch itself: every launched Triton kernel, every
 specialisation that a sweep of step shapes and sampling parameters reaches, every field of SamplingParams. A new
@@ -126,10 +126,11 @@ def needs_warmup(engine: LLMEngine) -> bool:
     return runner.device.type == "cuda" and ops.uses_triton(runner.kv_cache)
 
 
-def eager_steps(config: EngineConfig, num_blocks: int) -> list[SchedulerOutput]:
+def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) -> list[SchedulerOutput]:
     """The warm-up's forward passes outside the graphs: a prefill of each of ROW_COUNTS tokens (one sequence), a
     decode at each power-of-two context length, then a decode batch whose logits the sampler's warm-up reads
-    (as many rows as there are variants, up to max_num_seqs). The first copies block 0 to block 1."""
+    (as many rows as there are variants, up to max_num_seqs). The first step copies block 0 to block 1 and,
+    with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
     bs = config.block_size
     longest = min(config.max_model_len, num_blocks * bs)
     steps = [_step([(0, t)], bs) for t in ROW_COUNTS if t <= min(longest, config.max_num_batched_tokens)]
@@ -139,9 +140,11 @@ def eager_steps(config: EngineConfig, num_blocks: int) -> list[SchedulerOutput]:
         context *= 2
     rows = min(config.max_num_seqs, len(SAMPLING_VARIANTS))
     steps.append(_step([(0, 1)] * rows, bs))
-    if num_blocks >= 2:
-        first = steps[0]
-        steps[0] = SchedulerOutput(first.scheduled, (), (), ((0, 1),), (), (), first.num_batched_tokens)
+    copy = ((0, 1),) if num_blocks >= 2 else ()
+    swap = num_blocks >= 4 and num_cpu_blocks >= 1
+    first = steps[0]
+    out, back = (((2, 0),), ((0, 3),)) if swap else ((), ())
+    steps[0] = SchedulerOutput(first.scheduled, out, back, copy, (), (), first.num_batched_tokens)
     return steps
 
 
@@ -172,7 +175,7 @@ def warm_up(engine: LLMEngine, force: bool = False) -> float:
     t0 = time.perf_counter()
     runner = engine.runner
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        steps = eager_steps(engine.config, runner.num_gpu_blocks)
+        steps = eager_steps(engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks)
         for sched in steps[:-1]:
             engine.executor.execute(sched, (0,))
         out = engine.executor.execute(steps[-1], (0,))
