@@ -253,3 +253,9 @@ def _generate(engine: LLMEngine, params: SamplingParams) -> list:
     while engine.has_unfinished_requests():
         done += [o for o in engine.step().outputs if o.finished]
     return sorted(done, key=lambda o: o.request_id)
+
+
+def test_the_sampler_compiles_once_per_logits_dtype(swept) -> None:
+    """The sampler pads its parameter rows, so that their alignment does not depend on the row count: one
+    specialisation of its kernel per logits dtype (the CPU's float32 here; a GPU's bf16 and float32)."""
+    assert len({key for key in swept["dense"] if key[0] == "_sample_kernel"}) == 1
