@@ -91,7 +91,7 @@ def _engine(path: Path, **kw: Any) -> LLMEngine:
         EngineConfig(
             model=path,
             max_num_seqs=8,
-            max_num_batched_tokens=160,
+            max_num_batched_tokens=96,
             swap_space=0.01,
             cpu_kv_cache_space=0.02,
             **kw,
@@ -163,7 +163,7 @@ def _sweep(engine: LLMEngine, seed: int) -> None:
     rng = random.Random(seed)
     for sched in _sweep_steps(engine, rng):
         engine.executor.execute(sched, (0,) if rng.random() < 0.5 else ())
-    for i in range(40):
+    for i in range(24):
         prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 40))]
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, _random_params(rng))
         if rng.random() < 0.5:
