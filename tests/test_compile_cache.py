@@ -116,3 +116,22 @@ def test_a_moved_cache_is_used_where_it_is(cache_env: Path, monkeypatch: pytest.
     before = {f: f.stat().st_mtime_ns for f in entry.iterdir()}
     _compile()  # a cache hit: nothing rewritten
     assert {f: f.stat().st_mtime_ns for f in entry.iterdir()} == before
+
+
+def test_compile_only_turns_launches_into_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `compile_only` a launch reaches Triton as a warmup (compile, no launch), inside Triton's async
+    compile mode; the launch is itself again afterwards. (Triton's compile of a launch needs a GPU driver: the
+    real thing runs in the GPU warm-up, which falls back to compiling one at a time if it fails.)"""
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    seen = []
+
+    def run(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> None:
+        seen.append((self.__name__, warmup, _async_compile.active_mode.get() is not None))
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    with compile_cache.compile_only(workers=2):
+        _apply_bitmask_kernel[(1,)](None, 0, None, 0, None, 0, BLOCK=32)
+    _apply_bitmask_kernel[(1,)](None, 0, None, 0, None, 0, BLOCK=32)
+    assert seen == [("_apply_bitmask_kernel", True, True), ("_apply_bitmask_kernel", False, False)]

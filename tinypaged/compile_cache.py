@@ -6,17 +6,20 @@ Triton reads TRITON_CACHE_DIR each time it compiles, so setting it before the fi
 the user set is kept. The cache is checked before use: a directory that cannot be written is replaced by a
 fresh temporary one, an entry whose files do not parse or are missing is deleted (Triton compiles it again),
 each with a warning, and a cache that was moved (Triton records absolute paths) is pointed at its files: a bad
-cache costs compile time, never a crash. Nothing here imports torch or Triton. (torch's inductor is not used
-by tinypaged: it has no cache to keep.)
+cache costs compile time, never a crash. `compile_only` turns launches into compiles run side by side, for
+the warm-up's dry run. Nothing here imports torch, nor Triton at import. (torch's inductor is not used by
+tinypaged: it has no cache to keep.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,3 +127,31 @@ def _fault(entry: Path) -> str | None:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+@contextlib.contextmanager
+def compile_only(workers: int = 0) -> Iterator[None]:
+    """While active, a Triton kernel's launch only submits its compile to a pool of `workers` threads (default:
+    the cores, up to 16) and returns at once, launching nothing; on exit every compile is waited for, and the
+    compiled kernels are in Triton's caches (memory and disk) for the launches after it. Compiles then run side
+    by side where one kernel at a time would wait for each (their passes and ptxas release the interpreter
+    lock). What the launches would have written is left unwritten: only a dry run of work whose results are
+    thrown away may run under it. A compile that fails here is left for the real launch to report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def submit(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    workers = workers or max(1, min(16, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="tinypaged-compile") as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            JITFunction.run = submit  # type: ignore[method-assign]
+            try:
+                yield
+            finally:
+                JITFunction.run = launch  # type: ignore[method-assign]

@@ -26,13 +26,14 @@ at once.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
-from tinypaged import ops
+from tinypaged import compile_cache, ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
@@ -168,26 +169,43 @@ def _step(seqs: list[tuple[int, int]], block_size: int) -> SchedulerOutput:
 
 def warm_up(engine: LLMEngine, force: bool = False) -> float:
     """Compile every kernel specialisation a request can launch (see the module's docstring); returns the seconds
-    it took. Does nothing unless `needs_warmup` (or `force`: tests, on the CPU). The engine's host random
+    it took. Does nothing unless `needs_warmup` (or `force`: tests, on the CPU).
+
+    The work runs twice: first as a dry run whose launches only submit their compiles to a pool
+    (`compile_cache.compile_only`: side by side instead of one after the other; one rank only, since a
+    tensor-parallel worker runs its launches for real), then for real, which compiles whatever the dry run
+    missed. The grammar compiler's tokenizer view is built meanwhile, in its own pool. The engine's host random
     stream is left as it was, so that unseeded sampling after it is what it would have been without."""
     if not (force or needs_warmup(engine)):
         return 0.0
     t0 = time.perf_counter()
     runner = engine.runner
+    grammar = engine.grammars.submit(_SCHEMA)  # llguidance's view of the tokenizer, built once, in its pool
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
         steps = eager_steps(engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks)
-        for sched in steps[:-1]:
-            engine.executor.execute(sched, (0,))
-        out = engine.executor.execute(steps[-1], (0,))
-        assert out is not None
-        _warm_sampler(engine, out.logits)
-        try:  # llguidance's view of the tokenizer, built once; structured outputs alone depend on it
-            engine.grammars.compile(_SCHEMA)
-        except Exception as e:  # noqa: BLE001 - the engine serves without it; a grammar request will say why
-            logger.warning("warm-up: compiling a grammar failed (%s); structured outputs may not work", e)
+        if engine.config.tensor_parallel_size == 1 and os.environ.get("TINYPAGED_PARALLEL_COMPILE") != "0":
+            try:
+                with compile_cache.compile_only():
+                    _run(engine, steps)
+            except Exception as e:  # noqa: BLE001 - the real run below compiles (and reports) the rest
+                logger.warning("warm-up: the parallel compiles failed (%s): compiling one at a time", e)
+        _run(engine, steps)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
+    try:  # structured outputs alone depend on it
+        grammar.result()
+    except Exception as e:  # noqa: BLE001 - the engine serves without it; a grammar request will say why
+        logger.warning("warm-up: compiling a grammar failed (%s); structured outputs may not work", e)
     return time.perf_counter() - t0
+
+
+def _run(engine: LLMEngine, steps: list[SchedulerOutput]) -> None:
+    """The warm-up's steps through the executor, then the sampler's variants on the last one's logits."""
+    for sched in steps[:-1]:
+        engine.executor.execute(sched, (0,))
+    out = engine.executor.execute(steps[-1], (0,))
+    assert out is not None
+    _warm_sampler(engine, out.logits)
 
 
 def _warm_sampler(engine: LLMEngine, logits: torch.Tensor) -> None:
