@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,18 @@ def _fault(entry: Path) -> str | None:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def dry_run(run: Callable[[], object], what: str) -> None:
+    """`run()` under `compile_only` (the kernels it launches compile side by side), unless
+    TINYPAGED_PARALLEL_COMPILE=0; a failure is logged and left for the real run that must follow."""
+    if os.environ.get("TINYPAGED_PARALLEL_COMPILE") == "0":
+        return
+    try:
+        with compile_only():
+            run()
+    except Exception as e:  # noqa: BLE001 - the real run compiles (and reports) what is left
+        logger.warning("%s: the parallel compiles failed (%s): compiling one at a time", what, e)
 
 
 @contextlib.contextmanager

@@ -235,6 +235,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
+        if self.tp.size == 1:  # its kernels compiled side by side first (a tensor-parallel rank runs in step)
+            compile_cache.dry_run(self._profile_run, "the profiling pass")
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         torch.cuda.synchronize(self.device)
@@ -321,6 +323,8 @@ class ModelRunner:
             (GraphChoice(num_tokens=t), st.mixed_graph_input(t, max_len)) for t in self._token_sizes[::-1]
         ]
         inputs += [(GraphChoice(batch_size=bs), st.graph_input(bs, max_len)) for bs in sizes[::-1]]
+        if self.tp.size == 1:  # a dry run first: the kernels of every graph compile side by side
+            compile_cache.dry_run(lambda: self._forward_each(inputs), "graph capture")
         # NCCL's watchdog thread queries events while we capture: only this thread's calls are checked.
         mode = "thread_local" if self.tp.size > 1 else "global"
         for key, inp in inputs:
@@ -341,6 +345,11 @@ class ModelRunner:
         self.stats.graph_token_sizes = self._token_sizes
         self.stats.graph_capture_s = time.perf_counter() - t0
         self.stats.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+
+    def _forward_each(self, inputs: list[tuple[GraphChoice, ModelInput]]) -> None:
+        """One forward pass over each graph's input, results dropped (the graphs' dry run)."""
+        for _, inp in inputs:
+            self._forward(inp, self.kv_cache, ids_pending=True)
 
     def choose_graph(self, out: SchedulerOutput, eager: bool = False) -> GraphChoice:
         """The CUDA graph this step replays (EAGER: none; always, with `eager`): a decode-only batch the decode

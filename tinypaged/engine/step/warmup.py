@@ -26,7 +26,6 @@ at once.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -183,12 +182,8 @@ def warm_up(engine: LLMEngine, force: bool = False) -> float:
     grammar = engine.grammars.submit(_SCHEMA)  # llguidance's view of the tokenizer, built once, in its pool
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
         steps = eager_steps(engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks)
-        if engine.config.tensor_parallel_size == 1 and os.environ.get("TINYPAGED_PARALLEL_COMPILE") != "0":
-            try:
-                with compile_cache.compile_only():
-                    _run(engine, steps)
-            except Exception as e:  # noqa: BLE001 - the real run below compiles (and reports) the rest
-                logger.warning("warm-up: the parallel compiles failed (%s): compiling one at a time", e)
+        if engine.config.tensor_parallel_size == 1:
+            compile_cache.dry_run(lambda: _run(engine, steps), "warm-up")
         _run(engine, steps)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
