@@ -35,7 +35,13 @@ from tinypaged.weights.random_model import make_random_model
 Key = tuple[str, tuple[Any, ...], tuple[Any, ...]]
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
 SHAPE |= {"num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
-CONFIGS = {"dense": {}, "fp8": {"quantization": "fp8"}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+CONFIGS = {
+    "dense": {},
+    "fp8": {"quantization": "fp8"},
+    "fp8_kv": {"kv_cache_dtype": "fp8"},
+    "int4": {"quantization": "int4"},
+    "int8": {"quantization": "int8"},
+}
 
 
 def _key(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
@@ -91,7 +97,7 @@ def _engine(path: Path, **kw: Any) -> LLMEngine:
         EngineConfig(
             model=path,
             max_num_seqs=8,
-            max_num_batched_tokens=96,
+            max_num_batched_tokens=144,
             swap_space=0.01,
             cpu_kv_cache_space=0.02,
             **kw,

@@ -11,11 +11,11 @@ small steps with prefill chunks launch; what runs outside them is warmed here, f
   banned tokens make), alone (its row gathered) and all together; a grammar's token mask; beam search's scores;
   logprobs. The grammar compiler's tokenizer view is built too (a second for a 128k vocabulary).
 - `eager_steps`: forward passes that run outside the graphs (prompt scoring, steps past the largest graph,
-  --enforce-eager), one per row count of ROW_COUNTS (the linear layers' dispatch by row count: the GEMV at one
-  row, the FP8 GEMV up to 4, the FP8 matmul's 16-, 32- and 64-row tiles, torch._scaled_mm past 64, each on both
-  sides of 16's divisibility) and one decode per power-of-two context length (decode attention's split count
-  grows with the context), through the executor, so on every tensor-parallel rank; the first step also copies a
-  block (copy-on-write: the forks of n > 1, best_of and beam search) and swaps one out and in (preemption).
+  --enforce-eager), one per row count of ROW_COUNTS (the linear layers' dispatch by row count: the GEMVs, the
+  FP8 and INT4 / INT8 matmuls' tiles, torch's matmuls beyond, each on both sides of 16's divisibility) and one
+  decode per power-of-two context length (decode attention's split count grows with the context), through the
+  executor, so on every tensor-parallel rank; the first step also copies a block (copy-on-write: the forks of
+  n > 1, best_of and beam search) and swaps one out and in (preemption).
 
 tests/engine/test_warmup.py checks the tables against the dispatch itself: every launched Triton kernel, every
 specialisation that a sweep of step shapes and sampling parameters reaches, every field of SamplingParams. A new
@@ -40,7 +40,7 @@ from tinypaged.engine.device.executor import Executor
 from tinypaged.engine.device.model_runner import ModelRunner
 from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, upload
 from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width
-from tinypaged.model.quant import fp8
+from tinypaged.model.quant import fp8, lowbit
 from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,16 @@ HOST_ONLY_FIELDS = frozenset(
     }
 )
 
-# Row counts where the linear layers' dispatch changes kernel or tile: ops.linear's GEMV (1 row), the FP8 GEMV
-# (fp8.GEMV_ROWS: its tile is the next power of two), the FP8 matmul's tiles of 16, 32 and 64 rows (up to
-# fp8.GEMM_ROWS), torch._scaled_mm beyond; each class once a multiple of 16 and once not (Triton specialises an
-# integer on its divisibility by 16).
-_TILE_ROWS = (16, 32, fp8.GEMM_ROWS)
-ROW_COUNTS: tuple[int, ...] = tuple(
-    sorted(
-        {1, 2, fp8.GEMV_ROWS, fp8.GEMV_ROWS + 1}
-        | {r + 1 for r in _TILE_ROWS}
-        | {r for r in _TILE_ROWS if r % 16 == 0}
-        | {fp8.GEMM_ROWS + 16, fp8.GEMM_ROWS + 17}
-    )
-)
+# Row counts where a linear layer's dispatch changes kernel or tile: ops.linear's GEMV (its tile rows the next
+# power of two), the FP8 GEMV and matmul (fp8.py: tiles of 16, 32, 64 and 128 rows up to GEMM_ROWS,
+# torch._scaled_mm beyond), the INT4 / INT8 GEMV and tensor-core kernel (lowbit.py: tiles of 16, 32 and 64 rows,
+# dequantize and matmul beyond). Each boundary's last row count and the next one: so each class is warmed once
+# a multiple of 16 and once not (Triton specialises an integer on its divisibility by 16). The sweep of
+# tests/engine/test_warmup.py holds it against the kernels' own choices.
+_BOUNDARIES = {
+    ops._GEMV_ROWS, fp8.GEMV_ROWS, fp8.GEMM_ROWS, lowbit.GEMV_ROWS, lowbit.GEMM_ROWS, 2, 16, 32, 64, 128
+}  # fmt: skip
+ROW_COUNTS: tuple[int, ...] = tuple(sorted({b + d for b in _BOUNDARIES for d in (0, 1) if b + d > 0}))
 
 
 def needs_warmup(engine: LLMEngine) -> bool:
