@@ -295,6 +295,7 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="cold-start-logs-")) if out is None else out.with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "tries": [], "logs": str(logs)}
+    res["summary"] = {}
     for i in range(args.tries):
         cache = Path(tempfile.mkdtemp(prefix="cold-start-triton-"))  # empty: a fresh machine's
         entry: dict[str, Any] = {"cache": str(cache)}
@@ -336,7 +337,7 @@ def main() -> int:
         print(f"offline: {off['error']}")
     if out is not None:
         print(f"wrote {out}")
-    return 0 if res["summary"] else 1
+    return 0 if res["summary"] or "error" not in res.get("offline", {"error": ""}) else 1
 
 
 if __name__ == "__main__":
