@@ -265,3 +265,12 @@ def test_the_sampler_compiles_once_per_logits_dtype(swept) -> None:
     """The sampler pads its parameter rows, so that their alignment does not depend on the row count: one
     specialisation of its kernel per logits dtype (the CPU's float32 here; a GPU's bf16 and float32)."""
     assert len({key for key in swept["dense"] if key[0] == "_sample_kernel"}) == 1
+
+
+def test_row_counts_straddle_the_fp8_swiglu_switch() -> None:
+    """The FP8 SwiGLU quantizes in tiles up to kernels/fp8.py's TILED_ROWS rows and one program a row above
+    (kernels the sweep's 144 tokens do not reach): the warm-up's row counts take both sides."""
+    from tinypaged.kernels.fp8 import TILED_ROWS
+
+    assert warmup.FP8_SWIGLU_TILED_ROWS == TILED_ROWS
+    assert {TILED_ROWS, TILED_ROWS + 1} <= set(warmup.ROW_COUNTS)
