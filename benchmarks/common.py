@@ -547,6 +547,16 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """What every result file opens with: the device, torch's version, the date and the arguments."""
+    return {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+    }
+
+
 def write_json(path: str | Path, data: Any) -> None:
     """Write a result as indented JSON (what JSON cannot hold, as its str), creating the folder."""
     path = Path(path)

@@ -41,10 +41,10 @@ from common import (
     Work,
     add_w1_args,
     common_prefix,
-    device_name,
     free_llm,
     generate_with_stats,
     greedy,
+    header,
     kv_bytes_per_token,
     layer_params,
     make_workload,
@@ -171,11 +171,12 @@ def guarded(res: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
 
 
 def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=32)
-    cfg = llm.config.model_config
+    cfg = ModelConfig.from_dir(args.model)
     scored, greedy_prompts = accuracy_prompts(cfg.vocab_size)
-    ref = reference_of(llm, scored, greedy_prompts, args.greedy_tokens)
-    free_llm(llm)
+    if not args.skip_accuracy:
+        llm = LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=32)
+        ref = reference_of(llm, scored, greedy_prompts, args.greedy_tokens)
+        free_llm(llm)
     work = make_workload(args.num_requests, cfg.vocab_size, args.seed, args.prompt_range, args.output_range)
     for name in args.engines:
         extra = ENGINES[name]
@@ -191,11 +192,14 @@ def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
         out["num_gpu_blocks"] = llm.engine.runner.num_gpu_blocks
         out["weights_bytes"] = llm.engine.runner.stats.weights_bytes
         fp8_w, kv_elem = "quantization" in extra, 1 if "kv_cache_dtype" in extra else 2
-        got = guarded(
-            out, "accuracy_raw", lambda llm=llm: reference_of(llm, scored, greedy_prompts, args.greedy_tokens)
-        )
-        if "error" not in got:
-            out["accuracy"] = accuracy(out.pop("accuracy_raw"), ref)
+        if not args.skip_accuracy:
+            got = guarded(
+                out,
+                "accuracy_raw",
+                lambda llm=llm: reference_of(llm, scored, greedy_prompts, args.greedy_tokens),
+            )
+            if "error" not in got:
+                out["accuracy"] = accuracy(out.pop("accuracy_raw"), ref)
         w1 = guarded(out, "w1", lambda llm=llm: run_ours(llm, work))
         if "output_tokens_per_s" in w1:
             w1["roofline_s"] = w1_roofline(cfg, work, fp8_w, kv_elem, args.fp8_tflops)
@@ -316,15 +320,13 @@ def main() -> None:
     ap.add_argument("--bf16-blocks", type=int, default=12800)
     ap.add_argument("--kv-requests", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="speed: also profile decode steps by kernel class")
+    ap.add_argument(
+        "--skip-accuracy", action="store_true", help="speed: no f32 reference, no accuracy columns"
+    )
     ap.add_argument("--json", required=True)
     add_w1_args(ap)
     args = ap.parse_args()
-    res: dict[str, Any] = {
-        "device": device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    res["args"] = vars(args)
+    res = header(args)
     try:
         (part_speed if args.part == "speed" else part_kv_bound)(args, res)
     finally:

@@ -1,12 +1,12 @@
 """The FP8 linear paths at the 8B layers and 1-256 rows, timed as CUDA-graph replays: bf16 (the Triton GEMV at one
-row, cuBLASLt above), the FP8 GEMV (up to 8 rows), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default
-tiling and the best of a sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch; first,
+row, cuBLASLt above), the Triton FP8 matmul (`kernels/fp8_gemm.py`: its default tiling and the best of a
+sweep), `torch._scaled_mm` (row-wise scales) and the per-token quantize launch; first,
 the board's bf16 and FP8 matmul rates at 8192^3 (the FP8 roofline's ceiling).
 
 Eager timing (`do_bench`) of kernels of 10-50 us measured the host's launch time here (benchmarks/NOTES.md), so each
 figure is the median over 15 replays of a graph of `2 x copies` launches, each launch reading another copy of
 the weights (copies enough to exceed the L2 three times). Relative error against the float32 product of the
-dequantized operands is printed for the Triton matmul. Sets `GEMV_ROWS` and `GEMM_ROWS` in
+dequantized operands is printed for the Triton matmul. Sets `GEMM_ROWS` in
 `tinypaged/model/quant/fp8.py` and the matmul's `default_config`.
 
     python3 benchmarks/fp8_gemm_sweep.py --json $OUT/fp8-gemm-sweep.json
@@ -25,7 +25,7 @@ from common import write_json
 
 from tinypaged.kernels.fp8 import quantize_per_token as quantize_launch
 from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm
-from tinypaged.kernels.gemv import fp8_gemv, gemv
+from tinypaged.kernels.gemv import gemv
 from tinypaged.model.quant.fp8 import quantize_per_channel, quantize_per_token
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -53,11 +53,21 @@ def graph_us(fn: Callable[[int], Any], copies: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def tilings(m: int, n: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
+    """The Triton FP8 matmul's candidate tilings at m rows: 64- and 128-column tiles, K split into 1-8 pieces,
+    two pipeline depths; from 128 rows also 128-row tiles (eight warps)."""
+    out = []
+    block_ms = [min(64, max(16, triton.next_power_of_2(m)))] + ([128] if m >= 128 else [])
+    iters = triton.cdiv(k, 128)
+    for bm, bn, pieces, stages in itertools.product(block_ms, (64, 128), (1, 2, 4, 8), (3, 5)):
+        k_split = 0 if pieces == 1 else triton.cdiv(iters, pieces) * 128
+        out.append((bm, bn, 128, 8 if bm == 128 else 4, stages, k_split))
+    return out
+
+
 def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws) -> tuple[float, tuple, list]:
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
     rows = []
-    for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 5)):
-        cfg = (block_m, bn, bk, warps, stages)
+    for cfg in tilings(m, n, k):
         try:
             rows.append((graph_us(lambda i, c=cfg: fp8_gemm(xq, xs, *ws[i], config=c), copies), cfg))
         except Exception:  # a tiling past the shared memory: skipped
@@ -92,13 +102,17 @@ def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: 
     xq, xs = quantize_per_token(torch.randn(m, k, device=dev) * 3)
     xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     ref = (xq.float() * xs) @ (ws[0][0].float() * ws[0][1][:, None]).T
-    err = float((fp8_gemm(xq, xs, *ws[0]).float() - ref).norm() / ref.norm())
-    r: dict[str, Any] = {"n": n, "k": k, "m": m, "rel_err": err}
+    got = fp8_gemm(xq, xs, *ws[0])
+    err = float((got.float() - ref).norm() / ref.norm())
+    # Split-K sums in piece order, never in arrival order: the same launch twice gives the same bits, and a
+    # row's sums do not depend on the row count (the first row alone against it within m rows).
+    same_twice = bool(torch.equal(got, fp8_gemm(xq, xs, *ws[0])))
+    row0 = fp8_gemm(xq[:1].contiguous(), xs[:1].contiguous(), *ws[0])
+    r: dict[str, Any] = {"n": n, "k": k, "m": m, "rel_err": err, "deterministic": same_twice}
+    r["row0_same_as_alone"] = bool(torch.equal(row0[0], got[0]))
     r["bf16_us"] = graph_us(
         lambda i: gemv(xb, wb[i]) if m == 1 else torch.nn.functional.linear(xb, wb[i]), copies
     )
-    if m <= 8:
-        r["fp8_gemv_us"] = graph_us(lambda i: fp8_gemv(xq, xs, *ws[i], None, torch.bfloat16), copies)
     r["quantize_us"] = graph_us(lambda i: quantize_launch(xb), copies)
     r["scaled_mm_us"] = graph_us(
         lambda i: torch._scaled_mm(
@@ -108,6 +122,7 @@ def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: 
     )
     r["fp8_gemm_default"] = default_config(m, n, k)
     r["fp8_gemm_us"] = graph_us(lambda i: fp8_gemm(xq, xs, *ws[i]), copies)
+    r["fp8_gemm_tbps"] = n * k / r["fp8_gemm_us"] / 1e6
     if sweep_too:
         r["fp8_gemm_best_us"], r["fp8_gemm_best"], r["sweep"] = sweep(m, n, k, copies, xq, xs, ws)
     return r
@@ -132,13 +147,15 @@ def main() -> None:
             res.append(r)
             write_json(args.json, res)
     print(
-        f"{'layer':<8} {'M':>4} {'bf16':>7} {'gemv8':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'best':>7} best tiling"
+        f"{'layer':<8} {'M':>4} {'bf16':>7} {'quant':>6} {'smm':>7} {'gemm':>7} {'TB/s':>5} "
+        f"{'best':>7} {'det':>3} {'row0':>4} default / best tiling"
     )
     for r in res[1:]:
         print(
-            f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} {r.get('fp8_gemv_us', float('nan')):7.1f} "
-            f"{r['quantize_us']:6.1f} {r['scaled_mm_us']:7.1f} {r['fp8_gemm_us']:7.1f} "
-            f"{r.get('fp8_gemm_best_us', float('nan')):7.1f} {r.get('fp8_gemm_best', '')}"
+            f"{r['layer']:<8} {r['m']:4d} {r['bf16_us']:7.1f} "
+            f"{r['quantize_us']:6.1f} {r['scaled_mm_us']:7.1f} {r['fp8_gemm_us']:7.1f} {r['fp8_gemm_tbps']:5.2f} "
+            f"{r.get('fp8_gemm_best_us', float('nan')):7.1f} {r['deterministic']!s:>3.3} "
+            f"{r['row0_same_as_alone']!s:>4.4} {r['fp8_gemm_default']} / {r.get('fp8_gemm_best', '')}"
         )
 
 

@@ -260,6 +260,13 @@ SERVICE_GROUP="$(id -gn "$SERVICE_USER")"
 make_dir "$STATE_DIR"
 record state "$STATE_DIR"
 mkdir -p "$STATE_DIR/cache" "$STATE_DIR/log"
+# The compile cache is $STATE_DIR/cache/compile/triton (tinypaged's place for it under TINYPAGED_HOME): kept across
+# upgrades with the rest of the state, so a restart loads the kernels the new version did not change. Releases
+# before it kept Triton's cache in cache/triton: moved (tinypaged repoints a moved cache's entries).
+if [[ -d "$STATE_DIR/cache/triton" && ! -e "$STATE_DIR/cache/compile/triton" ]]; then
+    mkdir -p "$STATE_DIR/cache/compile"
+    mv -- "$STATE_DIR/cache/triton" "$STATE_DIR/cache/compile/triton"
+fi
 if [[ -z "$MODEL" ]]; then
     say "fetching the default model into $STATE_DIR/cache (idempotent)"
     MODEL="$(TINYPAGED_HOME="$STATE_DIR/cache" "$VENV/bin/tinypaged" weights fetch | tail -1)"
@@ -279,7 +286,6 @@ cat >"$ENV_FILE" <<EOF
 TINYPAGED_ARGS="$ARGS"
 TINYPAGED_API_KEY="$API_KEY"
 TINYPAGED_HOME="$STATE_DIR/cache"
-TRITON_CACHE_DIR="$STATE_DIR/cache/triton"
 HOME="$STATE_DIR"
 EOF
 umask 022

@@ -6,9 +6,8 @@ from .bitmask import apply_token_bitmask
 from .cache import copy_blocks, write_kv
 from .fp8 import quantize_per_token as quantize_fp8
 from .fp8 import silu_and_mul_fp8
-from .gemv import FP8_MAX_ROWS as fp8_gemv_max_rows
 from .gemv import MAX_ROWS as gemv_max_rows
-from .gemv import fp8_gemv, gemv
+from .gemv import gemv
 from .norm import rms_norm, rms_norm_fp8
 from .rotary import rotary_embedding, rotary_write_kv
 from .sampling import sample
@@ -16,8 +15,6 @@ from .sampling import sample
 __all__ = [
     "apply_token_bitmask",
     "copy_blocks",
-    "fp8_gemv",
-    "fp8_gemv_max_rows",
     "gemv",
     "gemv_max_rows",
     "paged_attention",

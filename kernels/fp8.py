@@ -29,6 +29,8 @@ from .pdl import pdl_options, pdl_start
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ONE_TILE_MAX = 16384  # rows up to this long are quantized from registers in one pass; longer ones in two
+TILED_ROWS = 256  # SwiGLU steps of up to this many rows quantize in tiles, two launches (silu_and_mul_fp8)
+TILE = 1024
 
 
 @triton.jit
@@ -118,9 +120,14 @@ def _quantize_kernel(
 
 
 def _launch(
-    x: torch.Tensor, n_cols: int, swiglu: bool, static_scale: torch.Tensor | None
+    x: torch.Tensor,
+    n_cols: int,
+    swiglu: bool,
+    static_scale: torch.Tensor | None,
+    config: tuple[bool, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 `[T, n_cols]`, float32 scales `[T, 1]`) of x's T rows (rows contiguous)."""
+    """(E4M3 `[T, n_cols]`, float32 scales `[T, 1]`) of x's T rows (rows contiguous). `config`: (one tile, BLOCK,
+    num_warps), default from the row length (benchmarks/fp8_kernels.py times others)."""
     assert x.dim() == 2 and x.stride(1) == 1
     n_rows = x.shape[0]
     q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)
@@ -129,6 +136,9 @@ def _launch(
         # Rows up to ONE_TILE_MAX in one tile (at most 32 values a thread), longer ones in tiles walked twice.
         one_tile = n_cols <= ONE_TILE_MAX
         block = triton.next_power_of_2(max(n_cols, 1)) if one_tile else 4096
+        warps = min(16, max(1, block // 512))
+        if config is not None:
+            one_tile, block, warps = config
         _quantize_kernel[(n_rows,)](
             x,
             q,
@@ -142,7 +152,7 @@ def _launch(
             ONE_TILE=one_tile,
             BLOCK=block,
             INTERPRET=INTERPRET,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=warps,
             **pdl_options(x),
         )
     return q, scale
@@ -157,9 +167,85 @@ def quantize_per_token(
     return _launch(x, x.shape[1], False, static_scale)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _swiglu_tiles_kernel(
+    x_ptr,
+    h_ptr,
+    amax_ptr,
+    n_cols,
+    stride_x,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Tile program_id(1) of row program_id(0)'s SwiGLU, rounded to x's dtype (into h), and its amax."""
+    pdl_start(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    h = _row_tile(x_ptr + row * stride_x, n_cols, cols, True)
+    tl.store(h_ptr + row * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(amax_ptr + row * tl.num_programs(1) + tile, tl.max(tl.abs(h), 0))
+
+
+@triton.jit
+def _quantize_tiles_kernel(
+    h_ptr,
+    amax_ptr,
+    q_ptr,
+    scale_ptr,
+    n_cols,
+    TILES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Tile program_id(1) of row program_id(0) of h as E4M3, with the row's scale from its tiles' amaxes."""
+    pdl_start(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    n_tiles = tl.num_programs(1)
+    t = tl.arange(0, TILES)
+    scale = dynamic_scale(tl.max(tl.load(amax_ptr + row * n_tiles + t, mask=t < n_tiles, other=0.0), 0))
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    h = tl.load(h_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * n_cols + cols, quantize_e4m3(h, scale, INTERPRET), mask=ok)
+    if tile == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_fp8(
+    x: torch.Tensor, config: tuple[bool, int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of x `[T, 2 * I]` (gate then up; rows as `silu_and_mul` takes them) quantized per token:
-    (E4M3 `[T, I]`, float32 scale `[T, 1]`), exactly `fp8.quantize_per_token(silu_and_mul(x))`. One program a
-    row, since the scale needs the whole row's amax."""
+    (E4M3 `[T, I]`, float32 scale `[T, 1]`), exactly `fp8.quantize_per_token(silu_and_mul(x))`.
+
+    The scale needs the whole row's amax. Up to TILED_ROWS rows, two launches of many programs a row: the
+    SwiGLU's tiles with their amaxes, then the tiles quantized with the row's scale (a row of one program took
+    5.9 us at one row where the plain SwiGLU takes 1.1, H200, NOTES.md). More rows: one program a row
+    (`config` forces that path: (one tile, BLOCK, num_warps))."""
     assert x.shape[1] % 2 == 0
-    return _launch(x, x.shape[1] // 2, True, None)
+    n_rows, n_cols = x.shape[0], x.shape[1] // 2
+    if config is not None or n_rows > TILED_ROWS or n_rows == 0:
+        return _launch(x, n_cols, True, None, config)
+    assert x.stride(1) == 1
+    tiles = triton.cdiv(n_cols, TILE)
+    h = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    amax = torch.empty((n_rows, tiles), dtype=torch.float32, device=x.device)
+    q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
+    grid = (n_rows, tiles)
+    _swiglu_tiles_kernel[grid](x, h, amax, n_cols, x.stride(0), BLOCK=TILE, num_warps=4, **pdl_options(x))
+    _quantize_tiles_kernel[grid](
+        h,
+        amax,
+        q,
+        scale,
+        n_cols,
+        TILES=triton.next_power_of_2(tiles),
+        BLOCK=TILE,
+        INTERPRET=INTERPRET,
+        num_warps=4,
+        **pdl_options(x),
+    )
+    return q, scale

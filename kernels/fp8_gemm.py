@@ -6,8 +6,14 @@ rate, a decode step's matmuls are still bound by the weight bytes: at 64 rows cu
 BLOCK_M x BLOCK_N tile of the output and streams its BLOCK_N weight rows along K through the tensor cores
 (E4M3 x E4M3 into float32, `tl.dot`), pipelined `num_stages` deep; the per-token and per-channel scales and the
 bias are applied once, in the epilogue. Up to 32 token rows the tile is computed transposed, so that the FP8
-tensor-core instruction takes the weight rows as its 64-row side (see `default_config`). No split-K: each
-output element is summed by one program, in the same order at every batch size with the same tiling.
+tensor-core instruction takes the weight rows as its 64-row side (see `default_config`).
+
+Split-K, deterministic. A layer of 4,096 weight rows makes only 64 tiles of 64 rows: too few programs to keep
+132 multiprocessors reading. So such a layer's K is cut into pieces of `k_split` columns, one program a tile
+and piece. Each writes its float32 partial sums to a workspace and counts itself in on the tile's counter; the
+last to arrive adds the partials up in piece order (never in arrival order), applies the scales and stores the
+tile, and sets the counter back to zero for the next launch. Up to 32 rows `k_split` depends on the layer's shape
+only (`split_k`), so a row's sums are taken in the same order at every row count from 1 to 32.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import triton.language as tl
 from .attention_configs import num_sms
 from .pdl import pdl_options, pdl_start
 
+MAX_TILES = 4096  # tile counters a device holds for split launches (a split layer has a few hundred tiles)
+_counters: dict[torch.device, torch.Tensor] = {}
+
 
 @triton.jit
 def _fp8_gemm_kernel(
@@ -28,9 +37,12 @@ def _fp8_gemm_kernel(
     ws_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
+    K_SPLIT,
     stride_x,
     stride_w,
     stride_y,
@@ -39,12 +51,15 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One BLOCK_M x BLOCK_N tile of y: the FP8 products summed in float32 over K, then scaled per row and
-    column (and the bias added). SWAP_AB: the tile computed transposed (row tiles under 64)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """One BLOCK_M x BLOCK_N tile of y: the FP8 products summed in float32 over K (SPLIT: over piece
+    program_id(2) of K_SPLIT columns, the pieces then added by the tile's last program), scaled per row and
+    column, the bias added. SWAP_AB: the tile computed transposed (row tiles under 64)."""
+    # Row tiles fastest: the programs that read the same weight rows run side by side (the weight from the L2).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -52,6 +67,11 @@ def _fp8_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    k_lo = 0
+    k_hi = K
+    if SPLIT:
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
     pdl_start(USE_PDL)
     # SWAP_AB: y^T = W x^T, the weight rows on the tensor cores' M side (64 and more, as sm_90's FP8 matmul
     # instruction needs), the few token rows on their N side.
@@ -59,8 +79,8 @@ def _fp8_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + ks) < k_hi
         x = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if SWAP_AB:
@@ -69,6 +89,31 @@ def _fp8_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        pieces = tl.num_programs(2)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part + tl.program_id(2) * M * N, acc, mask=ok)
+        # Every thread's partial stored before one thread counts the program in (the counter's release
+        # publishes them); the last program's acquire makes every piece visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == pieces - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for p in range(0, pieces):
+                acc += tl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+            _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
+    else:
+        _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(
+    acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS: tl.constexpr
+):
+    """A tile's float32 sums scaled per row and column, plus the bias, stored in y's dtype."""
     sx = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
     sw = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
     y = acc * sx[:, None] * sw[None, :]
@@ -78,24 +123,45 @@ def _fp8_gemm_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an [m, k] x [n, k]^T product.
+def split_k(n: int, k: int, sms: int = 132, block_k: int = 128, programs_per_sm: int = 2) -> int:
+    """The K columns of one split piece for an [*, k] x [n, k]^T product (0: no split), from the layer's shape:
+    pieces enough that its 64-row tiles make about `programs_per_sm` programs a multiprocessor, each piece at
+    least four K tiles long."""
+    tiles = triton.cdiv(n, 64)
+    iters = triton.cdiv(k, block_k)
+    pieces = max(1, min(iters // 4, round(programs_per_sm * sms / tiles)))
+    if pieces == 1:
+        return 0
+    return triton.cdiv(iters, pieces) * block_k
+
+
+def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, k_split) for an [m, k] x [n, k]^T product, from the
+    H200 sweep of the 8B layers at 1-256 rows (benchmarks/fp8_gemm_sweep.py, NOTES.md).
 
     sm_90's FP8 tensor-core instruction (wgmma) takes 64 rows and more on its M side; under that Triton falls
-    back to fp16 MMAs, converting both operands (SASS: 96 E4M3 conversions an iteration at 16 x 32 x 256, none
-    at 64 rows). So up to 32 rows the tile is computed transposed (`SWAP_AB`, chosen by a row tile under 64):
-    the weight rows on the M side, 128 or 64 of them, the token rows (16 or 32) on the N side. From 33 rows the
-    row tile is 64 and the column tile the widest of 128 and 64 that gives every multiprocessor a program, else
-    32. The row counts where each tiling wins are the H200 sweep's to set (benchmarks/fp8_gemm_sweep.py)."""
+    back to fp16 MMAs, converting both operands. So up to 32 rows the tile is computed transposed (`SWAP_AB`,
+    chosen by a row tile under 64): 64 weight rows on the M side, the 16 or 32 token rows on the N side, K split
+    as `split_k` says for the layer's shape, so that every step of 1-32 rows sums a row in the same order.
+    From 33 rows the tiles are 64 and from 65 rows 128 token rows (eight warps) by 64 weight rows (128 where the
+    layer is wide), split only where the layer's tiles leave most multiprocessors idle. Five pipeline stages,
+    three on the wide layers (gate_up: many programs a multiprocessor already)."""
     block_k = 128 if k >= 128 else max(32, triton.next_power_of_2(k))
+    wide = triton.cdiv(n, 64) >= 2 * sms
+    stages = 3 if wide else 5
     if m <= 32:
-        block_m = max(16, triton.next_power_of_2(m))
-        block_n = 128 if triton.cdiv(n, 128) >= sms else 64
-        return block_m, block_n, block_k, 4, 4
-    block_m = 64
-    tiles_m = triton.cdiv(m, block_m)
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) * tiles_m >= sms), 32)
-    return block_m, block_n, block_k, 4, 4
+        return max(16, triton.next_power_of_2(m)), 64, block_k, 4, stages, split_k(n, k, sms, block_k)
+    k_split = split_k(n, k, sms, block_k, programs_per_sm=1)
+    if m <= 64:
+        return 64, 64, block_k, 4, stages, k_split
+    return 128, 128 if wide else 64, block_k, 8, stages, k_split
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-launch tile counters: zero between launches (each tile's last program resets its own)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def fp8_gemm(
@@ -105,13 +171,13 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """E4M3 activations xq `[M, K]` with float32 scales `[M]` or `[M, 1]` (one a row) times E4M3 weights wq
     `[N, K]` with float32 scales `[N]` (one an output row), transposed, plus bias `[N]`: `[M, N]` in
     `out_dtype`, summed in float32 (semantics: `model.quant.fp8.ref_fp8_linear` on the dequantized values).
-    Rows of xq and wq contiguous. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), default
-    `default_config`."""
+    Rows of xq and wq contiguous. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, k_split),
+    default `default_config`; k_split a multiple of BLOCK_K, 0 for no split."""
     m, k = xq.shape
     n = wq.shape[0]
     assert wq.shape[1] == k and xq.stride(1) == 1 and wq.stride(1) == 1
@@ -121,8 +187,18 @@ def fp8_gemm(
         return y
     if config is None:
         config = default_config(m, n, k, num_sms(xq.device) if xq.is_cuda else 132)
-    block_m, block_n, block_k, warps, stages = config
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    block_m, block_n, block_k, warps, stages, k_split = config
+    assert k_split % block_k == 0
+    pieces = triton.cdiv(k, k_split) if k_split else 1
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), pieces)
+    if pieces > 1:
+        assert grid[0] * grid[1] <= MAX_TILES and pieces * m * n < 2**31
+        part, counters = (
+            torch.empty((pieces, m, n), dtype=torch.float32, device=xq.device),
+            _tile_counters(xq.device),
+        )
+    else:
+        part = counters = y
     _fp8_gemm_kernel[grid](
         xq,
         x_scale,
@@ -130,9 +206,12 @@ def fp8_gemm(
         w_scale,
         bias if bias is not None else w_scale,
         y,
+        part,
+        counters,
         m,
         n,
         k,
+        k_split,
         xq.stride(0),
         wq.stride(0),
         y.stride(0),
@@ -141,6 +220,7 @@ def fp8_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SWAP_AB=block_m < 64,
+        SPLIT=pieces > 1,
         num_warps=warps,
         num_stages=stages,
         **pdl_options(xq),

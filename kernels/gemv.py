@@ -1,17 +1,11 @@
 """The linear layers of a decode step of a few rows: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), in the model's
-dtype (M <= 4) or FP8 (W8A8, M <= 8).
+dtype (M <= 4).
 
 At batch 1 a step's matmuls are matrix-vector products: they read every weight once and do two FLOPs a
 weight, so their time is the weight bytes over the memory bandwidth. A program owns BLOCK_N output columns
 (weight rows) and walks K in BLOCK_K steps, each thread keeping its own fp32 partial products (plain FMAs,
 no cross-thread reduction inside the loop); the rows are summed once at the end. Wide tiles keep many loads in
 flight per thread, the way a bandwidth-bound loop needs.
-
-The FP8 product (`fp8_gemv`) is the same loop over E4M3 operands: the weight with one float32 scale per output
-row, the activations already quantized per token (E4M3 and one float32 scale a row) by the kernel that produced
-them or by kernels/fp8.py, exactly as the larger steps' `torch._scaled_mm` takes them, so a row's result does not
-depend on which of the two its step's row count picks, beyond the order of the float32 sums. An E4M3 product is
-exact in float32; the sums are scaled once, at the end: `y = sum_k(xq * wq) * x_scale * w_scale (+ bias)`.
 """
 
 from __future__ import annotations
@@ -23,33 +17,27 @@ import triton.language as tl
 from .pdl import pdl_options, pdl_start
 
 MAX_ROWS = 4
-FP8_MAX_ROWS = 8
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr,
-    xs_ptr,
     w_ptr,
-    ws_ptr,
     b_ptr,
     y_ptr,
     M,
     N,
     K,
     stride_x,
-    stride_xs,
     stride_w,
     stride_y,
     HAS_BIAS: tl.constexpr,
-    SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for the program's BLOCK_N columns n and every row m < M;
-    SCALED: the sum times xs[m] * ws[n] before the bias (E4M3 operands with their scales)."""
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for the program's BLOCK_N columns n and every row m < M."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -65,9 +53,6 @@ def _gemv_kernel(
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
-    if SCALED:
-        xs = tl.load(xs_ptr + rows * stride_xs, mask=row_ok, other=0.0)
-        y = y * xs[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
@@ -84,50 +69,27 @@ def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     return (4 if m == 1 else 8), block_k, 4
 
 
-def fp8_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """`default_config` for E4M3 operands: at one row 8 KiB of weight a step, as the bf16 GEMV's best tiling
-    reads (eight weight rows of 1,024), then fewer columns or a shorter step as rows are added, so that a thread
-    keeps 64 float32 partials. A first guess: `benchmarks/fp8_kernels.py` sweeps the tilings on the H200."""
-    block_m = triton.next_power_of_2(m)
-    block_k = min(triton.next_power_of_2(k), 1024)
-    block_n = max(1, 8192 // (block_m * block_k))
-    while block_n < 2 and block_k > 256:
-        block_k //= 2
-        block_n = 8192 // (block_m * block_k)
-    return block_n, block_k, 4
-
-
 def _launch(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    config: tuple[int, int, int],
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: tuple[int, int, int]
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert bias is None or bias.shape == (n,)
     block_n, block_k, warps = config
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
-        x_scale if x_scale is not None else x,
         weight,
-        w_scale if w_scale is not None else weight,
         bias if bias is not None else weight,
         y,
         m,
         n,
         k,
         x.stride(0),
-        x_scale.stride(0) if x_scale is not None else 0,
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        SCALED=x_scale is not None,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -148,23 +110,4 @@ def gemv(
     BLOCK_K, num_warps), default `default_config`."""
     m, k = x.shape
     assert 1 <= m <= MAX_ROWS
-    return _launch(x, None, weight, None, bias, x.dtype, config or default_config(m, weight.shape[0], k))
-
-
-def fp8_gemv(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """W8A8: E4M3 activations xq `[M, K]` (M <= 8, rows contiguous) with float32 scales x_scale `[M, 1]`, times
-    an E4M3 weight `[N, K]` (rows contiguous) with float32 scales w_scale `[N]`, transposed, plus bias `[N]`:
-    `[M, N]` in out_dtype, `sum(xq * wq) * x_scale * w_scale (+ bias)` summed in fp32 (semantics:
-    `fp8.ref_fp8_linear` of the quantized rows). `config`: as `gemv`'s, default `fp8_config`."""
-    m, k = xq.shape
-    n = weight.shape[0]
-    assert 1 <= m <= FP8_MAX_ROWS and x_scale.shape == (m, 1) and w_scale.shape == (n,)
-    return _launch(xq, x_scale, weight, w_scale, bias, out_dtype, config or fp8_config(m, n, k))
+    return _launch(x, weight, bias, config or default_config(m, weight.shape[0], k))

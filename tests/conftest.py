@@ -116,6 +116,23 @@ def run_paged():
     return _run_paged
 
 
+@pytest.fixture
+def agrees_with_hf():
+    """`check(ours, hf, vocab, tol)`: three prompts (5, 17 and 1 tokens) prefilled, then 3 tokens decoded each,
+    over the paged cache; every logit within `tol` of an HF model's over the same tokens in one pass."""
+
+    def check(ours, hf, vocab: int, tol: float) -> None:  # noqa: ANN001
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 17, 1)]
+        decodes = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in prompts]
+        for p, d, logits in zip(prompts, decodes, _run_paged(ours, prompts, 4, decodes), strict=True):
+            with torch.no_grad():
+                want = hf(torch.tensor([p + d])).logits[0]
+            assert (logits - want).abs().max().item() < tol
+
+    return check
+
+
 def _run_paged(model, prompts: list[list[int]], block_size: int, decode_steps: list[list[int]]):
     """Prefill all prompts in one ragged batch, then decode the given tokens one step at a time (with the
     staging's launch hints, so that decode steps take the model's decode path, as the engine's do).

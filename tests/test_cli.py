@@ -163,3 +163,12 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("TINYPAGED_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
     assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_warmup_starts_the_engine_and_reports_its_phases(capsys, tiny_model: Path) -> None:
+    """`tinypaged warmup` takes serve's engine flags, starts the engine (which compiles every kernel on a GPU),
+    prints its startup phases and exits; on the CPU it says there is nothing to compile."""
+    assert main(["warmup", "--model", str(tiny_model), "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("startup: weights ") and " warmup 0.00 s, total " in out[0]
+    assert out[1].startswith("nothing to compile")

@@ -85,13 +85,13 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
     from tinypaged.kernels.gemv import _gemv_kernel, default_config
 
     block_n, block_k, warps = default_config(1, 4096, 14336)
-    constexprs = {"HAS_BIAS": False, "SCALED": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constexprs = {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
     constexprs["USE_PDL"] = True
-    signature = dict.fromkeys(["x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "b_ptr", "y_ptr"], "*bf16")
-    signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_xs", "stride_w", "stride_y"], "i32")
+    signature = dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], "*bf16")
+    signature |= dict.fromkeys(["M", "N", "K", "stride_x", "stride_w", "stride_y"], "i32")
     signature |= dict.fromkeys(constexprs, "constexpr")
     # As a launch specializes them: pointers, sizes and strides that are multiples of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "M" and i < 13}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "M" and i < 10}
     src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "cubin" in kernel.asm
@@ -103,7 +103,7 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
 # The kernels a model step launches with programmatic dependent launch (kernels/pdl.py), with constexprs as a
 # decode step of the 8B shape sets them.
 _PDL_KERNELS = {
-    "gemv._gemv_kernel": {"HAS_BIAS": False, "SCALED": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
+    "gemv._gemv_kernel": {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
     "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "FP8_OUT": False, "BLOCK": 4096, "INTERPRET": False},
     "activation._silu_and_mul_kernel": {"BLOCK": 1024, "GELU": False},
     "cache._write_kv_kernel": {
@@ -162,15 +162,15 @@ _FP8_KERNELS = {
     "fp8._quantize_kernel two passes": _quantize(False, False, 4096),
     "fp8._quantize_kernel swiglu": _quantize(True, True, 16384),
     "fp8._quantize_kernel swiglu two passes": _quantize(True, False, 4096),
+    "fp8._swiglu_tiles_kernel": ({"x_ptr": "*bf16", "h_ptr": "*bf16", "amax_ptr": "*fp32"}, {"BLOCK": 1024}),
+    "fp8._quantize_tiles_kernel": (
+        {"h_ptr": "*bf16", "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+        {"TILES": 16, "BLOCK": 1024},
+    ),
     "norm._rms_norm_kernel": (
         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
          "scale_ptr": "*fp32"},
         {"HAS_RESIDUAL": True, "FP8_OUT": True, "BLOCK": 4096},
-    ),
-    "gemv._gemv_kernel": (
-        {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
-         "y_ptr": "*bf16"},
-        {"HAS_BIAS": True, "SCALED": True, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 1024},
     ),
 }  # fmt: skip
 
@@ -179,7 +179,7 @@ _FP8_KERNELS = {
 def test_fp8_kernels_compile_for_hopper(name: str) -> None:
     """The FP8 kernels compile for sm_90 with programmatic dependent launch (the wait before any memory access),
     the quantizers with the GPU's own E4M3 conversion (round to nearest even, saturating) after an IEEE division
-    (Triton's `/` is approximate there), the GEMV streaming its weight in 16-byte loads."""
+    (Triton's `/` is approximate there)."""
     module, fn_name = name.split()[0].split(".")
     fn = getattr(importlib.import_module(f"tinypaged.kernels.{module}"), fn_name)
     pointers, constexprs = _FP8_KERNELS[name]
@@ -197,8 +197,8 @@ def test_fp8_kernels_compile_for_hopper(name: str) -> None:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert wait < min(ptx.find(op) % len(ptx) for op in ("ld.global", "st.global"))
-    if "gemv" in module:
-        assert ptx.count("ld.global.v4") >= 8 * 1024 // 16 // (32 * 4)
+    if fn_name == "_swiglu_tiles_kernel":
+        assert "cvt.rn.bf16" in ptx
     else:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
 
@@ -237,16 +237,18 @@ def test_fp8_kv_kernels_compile_for_hopper(name: str) -> None:
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int) -> None:
-    """The FP8 matmul's default tile at few rows (computed transposed) and at 64 reaches sm_90's FP8 wgmma with
-    its E4M3 operands as they are: under 64 rows on the instruction's M side Triton would convert both to fp16."""
+@pytest.mark.parametrize("rows, split", [(1, False), (16, True), (64, False), (64, True)])
+def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
+    """The FP8 matmul's default tile at few rows (computed transposed) and at 64, split along K or not, reaches
+    sm_90's FP8 wgmma with its E4M3 operands as they are: under 64 rows on the instruction's M side Triton would
+    convert both to fp16. A split launch counts its programs in with one acquire-release atomic a program."""
     from tinypaged.kernels.fp8_gemm import _fp8_gemm_kernel, default_config
 
-    block_m, block_n, block_k, warps, stages = default_config(rows, 28672, 4096)
+    block_m, block_n, block_k, warps, stages, _ = default_config(rows, 4096 if split else 28672, 4096)
     constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constexprs |= {"SWAP_AB": block_m < 64, "USE_PDL": True}
+    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": split, "USE_PDL": True}
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16"}
+    types |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
         a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a == "y_ptr" else "i32")
         for a in _fp8_gemm_kernel.arg_names
@@ -261,6 +263,58 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int) -> None:
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+
+
+def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) -> Any:
+    from tinypaged.kernels import lowbit
+
+    fn = getattr(lowbit, fn_name)
+    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32"}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+        for a in fn.arg_names
+    }
+    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr" and a != "M"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
+    """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not), reduce and dequantize kernels compile
+    for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the tensor-core
+    kernel runs bf16 wgmma."""
+    base = {
+        "GROUP": 128,
+        "BITS": bits,
+        "HAS_ZERO": bits == 4,
+        "HAS_BIAS": False,
+        "BLOCK_K": 128,
+        "USE_PDL": True,
+    }
+    gemv = _lowbit_compile(
+        "_wint_kernel", base | {"BLOCK_M": 1, "BLOCK_N": 32, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    )
+    ptx = gemv.asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < min(
+        ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
+    )
+    assert ptx.count("ld.global.v4") >= 32 * 128 * bits // 8 // 16 // 128
+    wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
+    for block_m, swap in ((16, True), (64, False)):
+        gemm = _lowbit_compile(
+            "_wint_kernel",
+            base | {"BLOCK_M": block_m, "BLOCK_N": 64, "DOT": True, "SWAP_AB": swap, "IEEE": False},
+        )
+        assert "wgmma" in gemm.asm["ptx"]
+    _lowbit_compile("_reduce_kernel", {"HAS_BIAS": True, "BLOCK": 1024, "USE_PDL": True})
+    _lowbit_compile(
+        "_dequantize_kernel",
+        {k: base[k] for k in ("GROUP", "BITS", "HAS_ZERO", "BLOCK_K", "USE_PDL")} | {"BLOCK_N": 32},
+    )
 
 
 @pytest.mark.parametrize("decode", [True, False])

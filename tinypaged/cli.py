@@ -1,4 +1,4 @@
-"""The `tinypaged` command: serve | generate | quantize | weights (fetch | random) | worker."""
+"""The `tinypaged` command: serve | generate | warmup | quantize | weights (fetch | random) | worker."""
 
 from __future__ import annotations
 
@@ -78,6 +78,21 @@ def _generate(args: argparse.Namespace) -> int:
     if out.error:
         raise ValueError(out.error)
     print(out.outputs[0].text)
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from tinypaged.llm import LLM
+
+    with LLM(**_engine_args(args)) as llm:
+        stats = llm.engine.runner.stats
+        phases = llm.engine.startup
+    print("startup: " + ", ".join(f"{name} {s:.2f} s" for name, s in phases))
+    if not stats.compile_cache:
+        print("nothing to compile: the engine runs on the CPU (the compile cache is for GPUs)")
+        return 0
+    kernels = sum(1 for e in Path(os.environ["TRITON_CACHE_DIR"]).iterdir() if e.is_dir())
+    print(f"compile cache: {stats.compile_cache} at the start, {kernels} kernels now")
     return 0
 
 
@@ -179,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("prompt")
     gen.set_defaults(func=_generate)
+
+    warm = sub.add_parser(
+        "warmup",
+        help="start the engine once, so that every kernel it can launch is compiled into the compile cache",
+        description="Loads the model, captures the CUDA graphs and compiles every kernel that `serve` with the "
+        "same flags can launch, into the compile cache under the model cache directory ($TINYPAGED_HOME/"
+        "compile/triton, or $TRITON_CACHE_DIR), then exits: run it while building a VM image or a container, so "
+        "that a server started there later loads its kernels instead of compiling them (docs/serving.md).",
+    )
+    _add_engine_args(warm, SERVE_DEFAULTS)
+    warm.set_defaults(func=_warmup)
 
     quant = sub.add_parser(
         "quantize",

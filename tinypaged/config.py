@@ -248,8 +248,9 @@ class EngineConfig:
     device: str = _arg("auto", "auto, cpu or cuda[:N]")
     quantization: str | None = _arg(
         None,
-        "quantize the linear layers' weights at load (fp8: E4M3 per output channel, activations per token); "
-        "default: as the checkpoint's quantization_config says (docs/quantization.md)",
+        "quantize the linear layers' weights at load (fp8: E4M3 per output channel, activations per token; int4 / "
+        "int8: weight-only, rounded to nearest in groups of 128 columns, int4 with zero points); default: as the "
+        "checkpoint's quantization_config says (docs/quantization.md)",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = _arg(

@@ -8,7 +8,10 @@ engine itself (no compressed-tensors import):
   `targets` / `weights` / `input_activations`, an `ignore` list, `format: float-quantized`);
 - FP8 as Qwen3 and DeepSeek publish it (`quant_method: fp8`, `weight_block_size`, `weight_scale_inv`), and the
   same method without blocks (per-tensor `weight_scale`, `activation_scheme` dynamic or static);
-- `quantization="fp8"` on a full-precision checkpoint: quantized at load, per output channel.
+- `quantization="fp8"` on a full-precision checkpoint: quantized at load, per output channel;
+- weight-only INT4 / INT8 (`IntScheme`): compressed-tensors W4A16 / W8A16 in `format: pack-quantized`, GPTQ
+  (`quant_method: gptq`) and AWQ (`quant_method: awq`, GEMM packing), and `quantization="int4"` / `"int8"` on
+  a full-precision checkpoint (round to nearest at load, groups of 128 columns).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ FUSED_GROUPS = (
     ("mlp.gate_proj", "mlp.up_proj"),
 )
 
-QUANTIZATIONS = ("fp8",)  # the `quantization` engine argument's values (vLLM's names)
+QUANTIZATIONS = ("fp8", "int4", "int8")  # the `quantization` engine argument's values (vLLM-like names)
 _RUNS = (
     "tinypaged runs FP8 E4M3 weights with per-tensor, per-channel or block scales, and FP8 activations "
-    "(dynamic per token, static per tensor, or none)"
+    "(dynamic per token, static per tensor, or none); and weight-only INT4 / INT8 in groups or per channel, "
+    "symmetric or with zero points (compressed-tensors pack-quantized, GPTQ, AWQ)"
 )
 
 
@@ -59,7 +63,30 @@ class Fp8Scheme:
         return f"fp8 ({w} weights, {a.get(self.activations or '', 'unquantized')} activations)"
 
 
-Scheme = Fp8Scheme  # issue 38 adds integer weight-only schemes beside it
+@dataclass(frozen=True)
+class IntScheme:
+    """Weight-only integer codes (activations stay in the model's dtype), as `format` stores them."""
+
+    bits: int  # 4 | 8
+    group: int | None  # input columns per scale; None: one scale per output row (per channel)
+    zero_points: bool  # a zero point per group (asymmetric); else 2^(bits - 1)
+    # "pack-quantized" (compressed-tensors), "gptq", "gptq_v2" (zero points stored as they are), "awq",
+    # "online" (a full-precision checkpoint, rounded to nearest at load)
+    format: str
+
+    def __str__(self) -> str:
+        group = f"group {self.group}" if self.group else "per channel"
+        zeros = "asymmetric" if self.zero_points else "symmetric"
+        return f"int{self.bits} weight-only ({group}, {zeros}, {self.format})"
+
+
+Scheme = Fp8Scheme | IntScheme
+# What `quantization="int4"` / `"int8"` rounds a full-precision checkpoint to: groups of 128 columns (64 or 32
+# where 128 does not divide a layer's input), INT4 with zero points (as AWQ and GPTQ default to), INT8 symmetric.
+ONLINE_INT = {
+    "int4": IntScheme(4, 128, True, "online"),
+    "int8": IntScheme(8, 128, False, "online"),
+}
 
 
 @dataclass(frozen=True)
@@ -92,8 +119,8 @@ def resolve_quantization(
     if raw is None:
         if requested is None:
             return None
-        online = Fp8Scheme("channel", "token", online=True)
-        return Quantization("fp8", {n: online for n in layer_names if n != "lm_head"})
+        online = ONLINE_INT.get(requested) or Fp8Scheme("channel", "token", online=True)
+        return Quantization(requested, {n: online for n in layer_names if n != "lm_head"})
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: quantization_config must be an object, got {type(raw).__name__}")
     method = str(raw.get("quant_method", "")).lower()
@@ -102,11 +129,11 @@ def resolve_quantization(
             f"{where}: quantization {requested!r} was asked for, but the checkpoint is already quantized with "
             f"{method!r}: leave quantization unset to run it as it is"
         )
-    reader = {"compressed-tensors": _compressed_tensors, "fp8": _fp8}.get(method)
+    reader = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "gptq": _gptq, "awq": _awq}.get(method)
     if reader is None:
         raise ConfigError(
             f"{where}: layer {layer_names[0]}: quant_method {method or None!r} is not run by tinypaged "
-            f"(it reads compressed-tensors and fp8 checkpoints; {_RUNS})"
+            f"(it reads compressed-tensors, fp8, gptq and awq checkpoints; {_RUNS})"
         )
     layers = {}
     for layer in layer_names:
@@ -208,6 +235,8 @@ def _ct_scheme(group: dict[str, Any], fmt: str | None, layer: str, where: str) -
 
     if group.get("output_activations"):
         raise refuse(" (output activations are quantized)")
+    if w and w.get("type") == "int" and a is None:
+        return _ct_int_scheme(w, fmt, refuse)
     if not w or w.get("type") != "float" or w.get("num_bits") != 8:
         raise refuse()
     if not w.get("symmetric", True) or w.get("dynamic"):
@@ -243,6 +272,91 @@ def _ct_scheme(group: dict[str, Any], fmt: str | None, layer: str, where: str) -
     else:
         raise refuse(" (activation strategy)")
     return Fp8Scheme(strategy, acts, block)
+
+
+def _ct_int_scheme(w: dict[str, Any], fmt: str | None, refuse: Any) -> IntScheme:
+    """The scheme of compressed-tensors integer weights without quantized activations (W4A16, W8A16)."""
+    if fmt != "pack-quantized":
+        raise refuse(f" (format {fmt!r}; integer weights are read in format pack-quantized)")
+    if w.get("num_bits") not in (4, 8) or w.get("dynamic"):
+        raise refuse(" (integer weights of 4 or 8 bits, static, are run)")
+    if w.get("actorder") not in (None, "weight", "static"):
+        # "group" stores a g_idx: groups that are not runs of consecutive columns.
+        raise refuse(f" (actorder {w.get('actorder')!r}: act-order groups are not run; quantize without it)")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        return IntScheme(w["num_bits"], None, not w.get("symmetric", True), "pack-quantized")
+    size = w.get("group_size")
+    if strategy != "group" or not isinstance(size, int) or size <= 0 or size % 32:
+        raise refuse(
+            f" (weight strategy {strategy!r}, group size {size!r}: groups are a multiple of 32 columns)"
+        )
+    return IntScheme(w["num_bits"], size, not w.get("symmetric", True), "pack-quantized")
+
+
+# ---- GPTQ and AWQ (AutoGPTQ / GPTQModel, AutoAWQ; transformers' GPTQConfig and AwqConfig) -----------------
+
+
+def _skipped(raw: dict[str, Any], layer: str) -> bool:
+    """Whether `layer` is left unquantized: `modules_to_not_convert` (substrings or prefixes, as transformers
+    matches them), or not among GPTQ's `modules_in_block_to_quantize`."""
+    if any(s and (s in layer or layer.startswith(s)) for s in raw.get("modules_to_not_convert") or []):
+        return True
+    blocks = raw.get("modules_in_block_to_quantize")
+    if blocks:
+        names = [n for b in blocks for n in (b if isinstance(b, list) else [b])]
+        return not any(layer.endswith("." + n) for n in names)
+    return layer == "lm_head" and not raw.get("lm_head")
+
+
+def _group(size: Any, refuse: Any) -> int | None:
+    if size in (-1, None):
+        return None
+    if not isinstance(size, int) or size <= 0 or size % 32:
+        raise refuse(f"group_size {size!r}: groups are a multiple of 32 columns, or -1 (per channel)")
+    return size
+
+
+def _gptq(raw: dict[str, Any], layer: str, where: str) -> Scheme | None:
+    """The scheme of `layer` in a GPTQ config (None: left unquantized)."""
+    if _skipped(raw, layer):
+        return None
+    bits, fmt = raw.get("bits"), raw.get("checkpoint_format", "gptq")
+    desc = f"gptq (bits {bits}, group_size {raw.get('group_size')}, desc_act {raw.get('desc_act')}, {fmt})"
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{where}: layer {layer} uses {desc}, which tinypaged does not run: {why}")
+
+    if bits not in (4, 8):
+        raise refuse("4- and 8-bit codes are run")
+    if raw.get("desc_act"):
+        raise refuse("act-order (desc_act) groups are not run; quantize with desc_act false")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise refuse(f"checkpoint_format {fmt!r} (gptq and gptq_v2 are read)")
+    if raw.get("dynamic"):
+        raise refuse("per-module overrides (dynamic) are not run")
+    return IntScheme(bits, _group(raw.get("group_size", 128), refuse), True, fmt)
+
+
+def _awq(raw: dict[str, Any], layer: str, where: str) -> Scheme | None:
+    """The scheme of `layer` in an AWQ config (None: left unquantized); AutoAWQ's GEMM packing."""
+    if _skipped(raw, layer):
+        return None
+    bits = raw.get("bits", raw.get("w_bit"))
+    size = raw.get("group_size", raw.get("q_group_size"))
+    version, zero_point = str(raw.get("version", "gemm")).lower(), raw.get("zero_point", True)
+    desc = f"awq (bits {bits}, group_size {size}, version {version}, zero_point {zero_point})"
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{where}: layer {layer} uses {desc}, which tinypaged does not run: {why}")
+
+    if bits != 4:
+        raise refuse("AWQ is read with 4-bit codes")
+    if version != "gemm":
+        raise refuse("only the GEMM packing is read")
+    if not zero_point:
+        raise refuse("AWQ is read with zero points")
+    return IntScheme(4, _group(size, refuse), True, "awq")
 
 
 # ---- quant_method fp8 (Qwen3, DeepSeek; vLLM's Fp8Config) -------------------------------------------------------

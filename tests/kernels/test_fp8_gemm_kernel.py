@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm
+from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm, split_k
 from tinypaged.model.quant import fp8
 
 
@@ -34,25 +34,54 @@ def test_fp8_gemm_matches_dequantized_product(m: int, n: int, k: int) -> None:
 
 
 def test_fp8_gemm_bf16_out_and_configs() -> None:
-    """bf16 output rounds once at the store; every tiling, transposed (row tiles under 64) or not, gives the same
-    sums (one program a tile, no split-K)."""
+    """bf16 output rounds once at the store; every tiling, transposed (row tiles under 64) or not, split along K
+    or not, gives the same sums up to their order."""
     xq, xs, wq, ws, bias = operands(20, 72, 256, seed=3)
     ref = want(xq, xs, wq, ws, bias)
-    outs = [
-        fp8_gemm(xq, xs, wq, ws, bias, config=c)
-        for c in [(16, 32, 64, 4, 2), (32, 64, 128, 4, 3), (16, 128, 64, 4, 2), (64, 128, 256, 8, 4)]
+    tilings = [
+        (16, 32, 64, 4, 2, 0),
+        (32, 64, 128, 4, 3, 0),
+        (16, 128, 64, 4, 2, 128),
+        (64, 128, 256, 8, 4, 0),
     ]
-    for y in outs:
+    for c in tilings:
+        y = fp8_gemm(xq, xs, wq, ws, bias, config=c)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("m, n, k, k_split", [(1, 40, 448, 128), (20, 72, 600, 256), (40, 33, 320, 64)])
+def test_split_k_is_deterministic_and_leaves_counters_zero(m: int, n: int, k: int, k_split: int) -> None:
+    """K cut into pieces (the last one short): each tile's partials added in piece order by its last program,
+    the same bits on every launch and for a row alone as within the batch, the tile counters back at zero."""
+    from tinypaged.kernels import fp8_gemm as module
+
+    xq, xs, wq, ws, bias = operands(m, n, k, seed=k)
+    block_m = 64 if m > 32 else 16
+    cfg = (block_m, 32, min(k_split, 128), 4, 2, k_split)
+    y = fp8_gemm(xq, xs, wq, ws, bias, torch.float32, cfg)
+    torch.testing.assert_close(y.double(), want(xq, xs, wq, ws, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, fp8_gemm(xq, xs, wq, ws, bias, torch.float32, cfg))
+    alone = fp8_gemm(xq[:1].clone(), xs[:1].clone(), wq, ws, bias, torch.float32, (16, *cfg[1:]))
+    assert torch.equal(alone[0], y[0])
+    assert not any(c.any() for c in module._counters.values())
+
+
 def test_default_config_transposes_small_row_counts() -> None:
     """Up to 32 rows the tile is transposed (a row tile under 64: the weight rows on the tensor cores' 64-row
-    side); from 33 rows 64-row tiles, the column tile narrowed when the wide one would leave multiprocessors idle."""
-    assert default_config(1, 28672, 4096)[:3] == (16, 128, 128)
-    assert default_config(8, 4096, 14336)[:3] == (16, 64, 128)
-    assert default_config(32, 6144, 4096)[:3] == (32, 64, 128)
-    assert default_config(64, 28672, 4096)[:3] == (64, 128, 128)
-    assert default_config(64, 4096, 14336)[:3] == (64, 32, 128)
-    assert default_config(256, 4096, 4096)[:3] == (64, 64, 128)
+    side); then 64-row tiles, and from 65 rows 128-row tiles of eight warps, 128 columns on the wide layers."""
+    assert default_config(1, 28672, 4096)[:5] == (16, 64, 128, 4, 3)
+    assert default_config(8, 4096, 14336)[:5] == (16, 64, 128, 4, 5)
+    assert default_config(32, 6144, 4096)[:5] == (32, 64, 128, 4, 5)
+    assert default_config(64, 28672, 4096)[:5] == (64, 64, 128, 4, 3)
+    assert default_config(200, 28672, 4096)[:5] == (128, 128, 128, 8, 3)
+    assert default_config(256, 4096, 4096)[:5] == (128, 64, 128, 8, 5)
+
+
+def test_split_k_follows_the_layer_not_the_row_count() -> None:
+    """The 4,096-row layers (64 tiles of 64 rows) are split so that they make about two programs a
+    multiprocessor; the wide ones are not; the piece length is the same at every row count up to 32."""
+    assert split_k(28672, 4096) == 0 and split_k(14336, 4096) == 0
+    assert split_k(4096, 4096) == 1024 and split_k(4096, 14336) == 3584 and split_k(6144, 4096) == 1408
+    assert {default_config(m, 4096, 14336)[5] for m in (1, 5, 16, 17, 32)} == {3584}
+    assert default_config(64, 4096, 4096)[5] == 2048 and default_config(128, 6144, 4096)[5] == 0

@@ -155,28 +155,18 @@ def _reference(path: Path, scheme: str) -> transformers.LlamaForCausalLM:
     return hf
 
 
-def _compare(ours: torch.nn.Module, hf: transformers.LlamaForCausalLM, run_paged, tol: float) -> None:  # noqa: ANN001
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 1)]
-    decodes = [torch.randint(0, VOCAB, (3,), generator=g).tolist() for _ in prompts]
-    for p, d, logits in zip(prompts, decodes, run_paged(ours, prompts, 4, decodes), strict=True):
-        with torch.no_grad():
-            want = hf(torch.tensor([p + d])).logits[0]
-        assert (logits - want).abs().max().item() < tol
-
-
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8", "FP8_BLOCK", "FP8_WEIGHT_ONLY"])
 def test_compressed_tensors_checkpoint_matches_its_dequantized_reference(
-    tmp_path: Path, scheme: str, run_paged
+    tmp_path: Path, scheme: str, agrees_with_hf
 ) -> None:
     path = _write_with_compressed_tensors(tmp_path, scheme)
     ours = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
     assert ours.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert ours.lm_head.weight.dtype == torch.float32  # ignored: dense
-    _compare(ours, _reference(path, scheme), run_paged, 1e-4)
+    agrees_with_hf(ours, _reference(path, scheme), VOCAB, 1e-4)
 
 
-def test_block_fp8_as_qwen3_publishes_it(tmp_path: Path, run_paged) -> None:
+def test_block_fp8_as_qwen3_publishes_it(tmp_path: Path, agrees_with_hf) -> None:
     """`quant_method: fp8` with `weight_block_size` and `weight_scale_inv` (Qwen3 / DeepSeek): compressed-tensors'
     block-quantized tensors, renamed to that format, run as the same reference."""
     path = _write_with_compressed_tensors(tmp_path, "FP8_BLOCK")
@@ -197,7 +187,7 @@ def test_block_fp8_as_qwen3_publishes_it(tmp_path: Path, run_paged) -> None:
     (path / "config.json").write_text(json.dumps(config))
     ours = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
     ref_path = _write_with_compressed_tensors(tmp_path / "ref", "FP8_BLOCK")
-    _compare(ours, _reference(ref_path, "FP8_BLOCK"), run_paged, 1e-4)
+    agrees_with_hf(ours, _reference(ref_path, "FP8_BLOCK"), VOCAB, 1e-4)
 
 
 def _dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -281,7 +271,7 @@ UNSUPPORTED = {
          "config_groups": {"g": preset_name_to_scheme("W4A4", ["re:.*down_proj"]).model_dump()}},
         "W4A4",
     ),
-    "unknown-method": ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+    "unknown-method": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     "fp8-e5m2": ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt e5m2"),
     "fp8-group-weights": (
         {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -324,10 +314,14 @@ def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path: Path) -
         load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
 
 
-def test_engine_runs_fp8_at_load(tmp_path: Path, model_dir: Path, run_paged) -> None:
-    """`quantization="fp8"` reaches the model through the engine: its greedy tokens are the argmax of the FP8
-    model loaded directly, run here over the prompt and those tokens in one pass (a tiny random model with
-    the default model's tokenizer)."""
+@pytest.mark.parametrize("quantization", ["fp8", "int4", "int8"])
+def test_engine_runs_quantization_at_load(
+    tmp_path: Path, model_dir: Path, run_paged, quantization: str
+) -> None:
+    """`quantization="fp8"` (and the weight-only "int4" and "int8", tests/model/test_lowbit.py) reaches the
+    model through the engine: its greedy tokens are the argmax of the quantized model loaded directly, run
+    here over the prompt and those tokens in one pass (a tiny random model with the default model's
+    tokenizer)."""
     import shutil
 
     from tinypaged import LLM, SamplingParams
@@ -337,11 +331,14 @@ def test_engine_runs_fp8_at_load(tmp_path: Path, model_dir: Path, run_paged) -> 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(model_dir / name, path / name)
     prompt = [1, 504, 3458, 314, 4649, 282]
-    with LLM(model=path, quantization="fp8", max_model_len=64, max_num_batched_tokens=64) as llm:
+    with LLM(model=path, quantization=quantization, max_model_len=64, max_num_batched_tokens=64) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
     tokens = list(out.outputs[0].token_ids)
-    model = load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64, quantization="fp8")
-    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    model = load_model(
+        ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64, quantization=quantization
+    )
+    down = model.layers[0].mlp.down_proj
+    assert (down.weight.dtype == torch.float8_e4m3fn) if quantization == "fp8" else down.group == 32
     logits = run_paged(model, [prompt + tokens[:-1]], 16, [[]])[0]
     assert len(tokens) == 6 and logits[len(prompt) - 1 :].argmax(-1).tolist() == tokens
 

@@ -137,6 +137,11 @@ def test_metrics_move_while_requests_run(server) -> None:
         "quantization": "None",
     }
     assert _value(before, "tinypaged:cache_config_info", model_name=server.model, **info) == 1
+    # The engine core's startup, phase by phase (it reached the server with the core's Ready message).
+    phases = {s.labels["phase"]: s.value for s in before["tinypaged:startup_phase_seconds"]}
+    assert list(phases) == ["weights", "kv_cache", "graph_capture", "warmup", "total"]
+    assert phases["total"] >= phases["weights"] > 0 and min(phases.values()) >= 0
+    assert phases["graph_capture"] == phases["warmup"] == 0  # the CPU: no graphs, nothing to compile
 
     async def load() -> list[dict]:
         async with aiohttp.ClientSession(headers=server.auth) as s:

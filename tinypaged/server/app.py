@@ -418,7 +418,9 @@ async def run_server(engine_factory: Callable[[], EngineClient], config: ServerC
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"tinypaged {__version__} serving {runner.app[SERVING].model_name} on {url}", flush=True)
+    phases = ", ".join(f"{name} {s:.1f} s" for name, s in engine.stats().startup)
+    started = f" (startup: {phases})" if phases else ""
+    print(f"tinypaged {__version__} serving {runner.app[SERVING].model_name} on {url}{started}", flush=True)
     await stop.wait()
     logger.warning("shutting down: waiting up to %.0f s for in-flight requests", config.shutdown_timeout)
     await stop_server(runner)

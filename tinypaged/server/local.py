@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -38,11 +40,21 @@ def engine_core_pid(server_pid: int) -> int | None:
 class LocalServer:
     """A `tinypaged serve` process on a free loopback port (`url`), started and stopped as a context."""
 
-    def __init__(self, serve_args: list[str], start_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        serve_args: list[str],
+        start_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        """`env`: variables set for the server on top of ours; `log`: a file for its log (default: our stderr)."""
         self.serve_args = serve_args
         self.start_timeout = start_timeout
+        self.env = env
+        self.log = log
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
+        self.ready_s = 0.0  # from the process's start to /health's first 200
 
     def __enter__(self) -> LocalServer:
         cmd = [
@@ -56,20 +68,38 @@ class LocalServer:
             "0",
             *self.serve_args,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)  # logs go to our stderr
-        deadline = time.monotonic() + self.start_timeout
+        env = {**os.environ, **self.env} if self.env is not None else None
+        stderr = self.log.open("a") if self.log is not None else None  # else: logs go to our stderr
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        if stderr is not None:
+            stderr.close()  # the child holds its own descriptor
+        deadline = t0 + self.start_timeout
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # the server prints one line with its URL once it listens
+        # The server prints one line with its URL once it listens (its engine started): waited for with the
+        # deadline, so that a start that hangs ends in an error instead of a blocked read.
+        while not self.url and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(1.0, deadline - time.monotonic()))
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
             if m := re.search(r"on (http://\S+)", line):
                 self.url = m.group(1)
-                break
         if not self.url:
+            code = self.proc.poll()
             self.stop()
-            raise RuntimeError(f"tinypaged serve exited ({self.proc.returncode}) before it printed its URL")
+            if code is None:
+                raise RuntimeError(f"tinypaged serve did not listen within {self.start_timeout:.0f} s")
+            raise RuntimeError(f"tinypaged serve exited ({code}) before it printed its URL")
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
+                        self.ready_s = time.monotonic() - t0
                         return self
             except OSError:
                 time.sleep(0.2)

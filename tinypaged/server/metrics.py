@@ -185,6 +185,17 @@ class ServerMetrics:
                 f"# TYPE {full} gauge",
                 f"{full}{{{self.labels},{info}}} 1",
             ]
+        if stats.startup:  # how long the engine took to become ready, phase by phase (fixed once it serves)
+            full = f"{self.prefix}startup_phase_seconds"
+            lines += [
+                f"# HELP {full} Seconds of each phase of the engine's startup (weights, kv_cache, graph_capture, "
+                "warmup: compiling what requests launch; total: to ready).",
+                f"# TYPE {full} gauge",
+            ]
+            lines += [
+                f'{full}{{{self.labels},phase="{_escape(name)}"}} {_number(float(s))}'
+                for name, s in stats.startup
+            ]
         full = f"{self.prefix}request_success_total"
         lines += [f"# HELP {full} Count of finished requests by finish reason.", f"# TYPE {full} counter"]
         for reason in sorted(self.finished):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tinypaged import ops
+from tinypaged import compile_cache, ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
@@ -104,6 +104,7 @@ class ExecuteOutput:
 class RunnerStats:
     """How the runner set itself up (seconds and bytes), for logs and benchmarks."""
 
+    compile_cache: str = ""  # Triton's cache directory and what it held at the start (GPU only)
     load_s: float = 0.0
     weights_bytes: int = 0
     profile_activation_bytes: int = 0
@@ -111,6 +112,7 @@ class RunnerStats:
     kv_cache_bytes: int = 0
     kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
     kv_scales: str = ""  # where an FP8 cache's scales came from
+    kv_cache_s: float = 0.0  # sizing (the profiling pass, which compiles the prefill kernels) and allocation
     graph_capture_s: float = 0.0
     graph_pool_bytes: int = 0
     graph_batch_sizes: list[int] = field(default_factory=list)
@@ -146,6 +148,8 @@ class ModelRunner:
         self.stats.kv_cache_dtype = str(self.kv_dtype).removeprefix("torch.")
         if self.device.type == "cuda":
             ops.prefer_cublaslt()
+            # Before the first launch compiles anything: the kernels come from (and go to) the persistent cache.
+            self.stats.compile_cache = compile_cache.setup().describe()
         t0 = time.perf_counter()
         self.model = load_model(
             mcfg, self.dtype, self.device, config.max_model_len, self.tp, config.quantization
@@ -153,6 +157,7 @@ class ModelRunner:
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.block_size = config.block_size
+        t0 = time.perf_counter()
         kv_start, kv_end = self.tp.kv_heads(mcfg.num_kv_heads)
         self.num_kv_heads = kv_end - kv_start  # this rank's
         # Before the graphs are captured: they keep the scales they see.
@@ -183,6 +188,7 @@ class ModelRunner:
         self.swap_cache = self._allocate(
             self.num_cpu_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
         )
+        self.stats.kv_cache_s = time.perf_counter() - t0
         self.time_device = False
         self.use_mixed_graphs = True
         self._graphs: dict[GraphChoice, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -229,6 +235,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
+        if self.tp.size == 1:  # its kernels compiled side by side first (a tensor-parallel rank runs in step)
+            compile_cache.dry_run(self._profile_run, "the profiling pass")
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         torch.cuda.synchronize(self.device)
@@ -315,6 +323,8 @@ class ModelRunner:
             (GraphChoice(num_tokens=t), st.mixed_graph_input(t, max_len)) for t in self._token_sizes[::-1]
         ]
         inputs += [(GraphChoice(batch_size=bs), st.graph_input(bs, max_len)) for bs in sizes[::-1]]
+        if self.tp.size == 1:  # a dry run first: the kernels of every graph compile side by side
+            compile_cache.dry_run(lambda: self._forward_each(inputs), "graph capture")
         # NCCL's watchdog thread queries events while we capture: only this thread's calls are checked.
         mode = "thread_local" if self.tp.size > 1 else "global"
         for key, inp in inputs:
@@ -335,6 +345,11 @@ class ModelRunner:
         self.stats.graph_token_sizes = self._token_sizes
         self.stats.graph_capture_s = time.perf_counter() - t0
         self.stats.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+
+    def _forward_each(self, inputs: list[tuple[GraphChoice, ModelInput]]) -> None:
+        """One forward pass over each graph's input, results dropped (the graphs' dry run)."""
+        for _, inp in inputs:
+            self._forward(inp, self.kv_cache, ids_pending=True)
 
     def choose_graph(self, out: SchedulerOutput, eager: bool = False) -> GraphChoice:
         """The CUDA graph this step replays (EAGER: none; always, with `eager`): a decode-only batch the decode

@@ -137,19 +137,22 @@ class Sampler:
         valid = torch.isfinite(logits.gather(1, best[:, None])[:, 0])
         next_ids = best
         if not all(p.greedy for p in params):
-            vocab = logits.shape[-1]
+            vocab, n = logits.shape[-1], len(params)
+            # One upload for the rows of parameters, each padded to a multiple of 4 entries so that every row
+            # starts 16-byte aligned: Triton specialises a kernel on its pointers' alignment, and unpadded rows
+            # would compile the sampling kernel three times over (row counts 0, 2 and 1 mod 4).
+            pad = [0] * (-n % 4)
             floats = upload(
                 [
-                    [0.0 if p.greedy else p.temperature for p in params],
-                    [p.top_p for p in params],
-                    [p.min_p for p in params],
+                    [0.0 if p.greedy else p.temperature for p in params] + pad,
+                    [p.top_p for p in params] + pad,
+                    [p.min_p for p in params] + pad,
                 ],
                 torch.float32,
                 device,
-            )
-            ints = upload(
-                [[p.top_k if p.top_k < vocab else 0 for p in params], _keys(rows)], torch.int64, device
-            )
+            )[:, :n]
+            top_k = [p.top_k if p.top_k < vocab else 0 for p in params]
+            ints = upload([top_k + pad, _keys(rows) + pad], torch.int64, device)[:, :n]
             sampled = ops.sample(logits, ops.SampleParams(floats[0], ints[0], floats[1], floats[2], ints[1]))
             if any(p.greedy for p in params):
                 greedy = upload([p.greedy for p in params], torch.bool, device)

@@ -24,6 +24,7 @@ from tinypaged.engine.sampling.grammar_state import GrammarState
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.sampler import Sampler
 from tinypaged.engine.sampling.structured import GrammarCompiler
+from tinypaged.engine.step import warmup
 from tinypaged.engine.step.inputs import InputProcessor
 from tinypaged.engine.step.output_processor import GrammarError, OutputProcessor
 from tinypaged.engine.step.queued_step import QueuedStep, StepError
@@ -55,6 +56,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         self.config = config
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
@@ -77,11 +79,8 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(config, self.tokenizer, self.grammars)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
-        self.async_scheduling = (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else self.runner.device.type == "cuda"
-        )
+        auto = self.runner.device.type == "cuda"
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else auto
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._num_steps = 0
@@ -90,6 +89,7 @@ class LLMEngine:
         self.grammar_state = GrammarState(self.grammars)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.startup = warmup.start(self, started)  # no request after this waits on a compile
         # What exists now (the model's modules, the block pool, imported libraries: some 300k objects) lives as
         # long as the engine. Moved out of the cyclic collector's view, it is no longer traversed by the full
         # collections that each step's short-lived objects trigger (tens of ms each); refcounting still frees
@@ -182,7 +182,7 @@ class LLMEngine:
         """Queue lengths, cache usage and counters right now."""
         counters = self._num_steps, self.prompt_tokens_total, self.generation_tokens_total
         compiling = self.grammar_state.num_waiting()
-        return EngineStats.of(self.scheduler, self.kv, self._requests, compiling, counters)
+        return EngineStats.of(self.scheduler, self.kv, self._requests, compiling, counters, self.startup)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""

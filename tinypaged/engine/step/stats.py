@@ -172,6 +172,8 @@ class EngineStats:
     generation_tokens_total: int  # tokens sampled (beam search: one per live beam per step)
     prefix_cache_queries_total: int  # prompt blocks looked up in the prefix cache (at admission)
     prefix_cache_hits_total: int  # of those, found computed
+    # The engine's startup phases and their seconds (weights, kv_cache, graph_capture, warmup, total).
+    startup: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def of(
@@ -181,9 +183,11 @@ class EngineStats:
         requests: Mapping[str, Request],
         compiling: tuple[int, int],
         counters: tuple[int, int, int],
+        startup: tuple[tuple[str, float], ...] = (),
     ) -> EngineStats:
         """The engine's load now: its scheduler's queues, its KV cache, its requests by id, the requests waiting
-        for a grammar and their sequences, and its counters (steps, prompt tokens, generated tokens)."""
+        for a grammar and their sequences, its counters (steps, prompt tokens, generated tokens) and its
+        startup phases."""
         num_steps, prompt_tokens, generation_tokens = counters
         return cls(
             num_running=sched.num_running,
@@ -205,6 +209,7 @@ class EngineStats:
             generation_tokens_total=generation_tokens,
             prefix_cache_queries_total=kv.num_prefix_queried_blocks,
             prefix_cache_hits_total=kv.num_prefix_hit_blocks,
+            startup=startup,
         )
 
 

@@ -29,11 +29,11 @@ from tinypaged.quantization import Fp8Scheme
 
 # The smallest scale a dynamic quantization takes, so that an all-zero row or tensor quantizes to zeros.
 MIN_SCALE = 1e-12
-# Steps of up to GEMV_ROWS rows go through the Triton FP8 GEMV (kernels/gemv.py, up to 8), up to GEMM_ROWS
-# through the Triton FP8 matmul (kernels/fp8_gemm.py), larger ones through torch._scaled_mm (cuBLASLt): where
-# each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "FP8 matmuls on this board").
-GEMV_ROWS = 4
-GEMM_ROWS = 64
+# Steps of up to GEMM_ROWS rows go through the Triton FP8 matmul (kernels/fp8_gemm.py), larger ones through
+# torch._scaled_mm (cuBLASLt): where each is fastest on the H200's 8B layers (benchmarks/NOTES.md, "The FP8 matmul
+# split along K": faster than an FP8 GEMV at every row count, one included; in W1's decode steps of 130-256 rows
+# cuBLASLt took 3.8 ms a step where the Triton matmul took 5.1, run 64).
+GEMM_ROWS = 128
 
 
 class Fp8Activation(NamedTuple):
@@ -194,9 +194,9 @@ def fp8_linear(
     numbers: the FP8 linear op every device runs.
 
     Per-row weight scales with activations per token (quantized here by `per_token` unless x comes quantized)
-    or static run W8A8 on the GPU: up to GEMV_ROWS rows through the Triton FP8 GEMV, up to GEMM_ROWS through
-    the Triton FP8 matmul, more through `torch._scaled_mm` (cuBLASLt's FP8 matmul, rowwise scales, bf16 or
-    fp16 out; float32 outputs and sizes not multiples of 16 take the float32 reference on the quantized rows).
+    or static run W8A8 on the GPU: up to GEMM_ROWS rows through the Triton FP8 matmul, more through
+    `torch._scaled_mm` (cuBLASLt's FP8 matmul, rowwise scales, bf16 or fp16 out; float32 outputs and sizes not
+    multiples of 16 take the float32 reference on the quantized rows).
     Block scales and weight-only layers run the float32 reference (dequantized weights, one matmul: correct,
     not fast), as does the CPU.
     """
@@ -217,10 +217,6 @@ def _w8a8(
     """Quantized rows times an E4M3 weight with per-row scales, by the row count (see `fp8_linear`)."""
     m = x.q.shape[0]
     n, k = weight.shape
-    if 0 < m <= GEMV_ROWS:
-        from tinypaged.kernels import fp8_gemv
-
-        return fp8_gemv(x.q, x.scale, weight, w_scale, bias, x.dtype)
     if m <= GEMM_ROWS:
         from tinypaged.kernels.fp8_gemm import fp8_gemm
 

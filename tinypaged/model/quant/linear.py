@@ -20,8 +20,8 @@ from torch import nn
 
 from tinypaged import ops
 from tinypaged.errors import ConfigError
-from tinypaged.model.quant import fp8
-from tinypaged.quantization import Fp8Scheme, Scheme
+from tinypaged.model.quant import fp8, lowbit
+from tinypaged.quantization import Fp8Scheme, IntScheme, Scheme
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,14 @@ class TensorLayout:
     in_dim: int | None = 1
     out_per: int = 1
     in_per: int = 1
+    fixed: tuple[
+        int, ...
+    ] = ()  # the shape of a tensor along neither (compressed-tensors' `weight_shape`: (2,))
 
     def shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The stored shape for a weight of `rows` x `cols` (size-1 dims aside: a scalar is `()`)."""
+        if self.out_dim is None and self.in_dim is None:
+            return self.fixed
         dims = {self.out_dim: math.ceil(rows / self.out_per), self.in_dim: math.ceil(cols / self.in_per)}
         dims.pop(None, None)
         return tuple(dims[d] for d in sorted(dims))  # type: ignore[type-var]
@@ -177,6 +182,113 @@ class Fp8LinearMethod(LinearMethod):
         return str(self.scheme)
 
 
+class IntLinearMethod(LinearMethod):
+    """Weight-only INT4 / INT8: codes, float32 scales and zero points in the kernels' layout
+    (model/quant/lowbit.py), each checkpoint format repacked into it as its tensors are read, losslessly; a
+    full-precision weight (format "online") rounded to nearest there. Fused parts and tensor-parallel shares
+    take their own rows (columns) of every tensor: scales and zero points are per group, so a share holds
+    exactly its groups' (a share must start on a group, and, where zero points are packed 8 to a word along
+    the output rows, on a word). Runs `lowbit.wint_linear`."""
+
+    def __init__(self, scheme: IntScheme) -> None:
+        self.scheme = scheme
+
+    def create(self, layer: Linear) -> None:
+        s, out, cols = self.scheme, layer.out_features, layer.in_features
+        group = s.group or cols
+        if s.format == "online":  # 128, else the largest of 64 and 32 that divides the input
+            group = next((g for g in (group, 64, 32) if cols % g == 0), group)
+        if cols % group or group % 32:
+            raise ConfigError(
+                f"{layer.name}: {cols} input columns do not split into groups of {group} ({s}); tinypaged "
+                "runs groups of a multiple of 32 columns that divide a layer's input"
+            )
+        layer.group = group
+        words = torch.empty(out, cols * s.bits // 32, dtype=torch.int32)
+        layer.qweight = keep_dtype(nn.Parameter(words, requires_grad=False))
+        layer.scales = keep_dtype(nn.Parameter(torch.empty(cols // group, out), requires_grad=False))
+        layer.zeros = None
+        if s.zero_points:
+            zeros = torch.empty(cols // group, out, dtype=torch.uint8)
+            layer.zeros = keep_dtype(nn.Parameter(zeros, requires_grad=False))
+
+    def tensors(self) -> dict[str, TensorLayout]:
+        s = self.scheme
+        per, g = 32 // s.bits, s.group
+        if s.format == "online":
+            return {"weight": TensorLayout()}
+        if s.format == "pack-quantized":  # [out, in] as a Linear's weight; zero points packed along out
+            found = {
+                "weight_packed": TensorLayout(0, 1, 1, per),
+                "weight_scale": TensorLayout(0, 1, 1, g) if g else TensorLayout(0, None),
+                "weight_shape": TensorLayout(None, None, fixed=(2,)),
+            }
+            if s.zero_points:
+                found["weight_zero_point"] = TensorLayout(0, 1, per, g) if g else TensorLayout(0, None, per)
+            return found
+        # GPTQ and AWQ: [in, out] (transposed); zero points packed along out
+        found = {
+            "qweight": TensorLayout(1, 0, 1, per) if s.format != "awq" else TensorLayout(1, 0, per, 1),
+            "qzeros": TensorLayout(1, 0, per, g) if g else TensorLayout(1, None, per),
+            "scales": TensorLayout(1, 0, 1, g) if g else TensorLayout(1, None),
+        }
+        if s.format != "awq":
+            found["g_idx"] = TensorLayout(None, 0)
+        return found
+
+    def load(self, layer: Linear, suffix: str, src: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        s = self.scheme
+        part = slice(None) if rows is None else slice(*rows)
+        n = layer.out_features if rows is None else rows[1] - rows[0]
+        if suffix == "weight":  # rounded where the layer lives (a GPU does an 8B model in seconds)
+            w = lowbit.quantize_rtn(src.to(layer.qweight.device), s.bits, layer.group, not s.zero_points)
+            layer.qweight[part].copy_(w.qweight)
+            layer.scales[:, part].copy_(w.scales)
+            if w.zeros is not None:
+                layer.zeros[:, part].copy_(w.zeros)
+            return
+        expect = (
+            torch.int32 if suffix in ("weight_packed", "qweight", "qzeros", "weight_zero_point") else None
+        )
+        if expect is not None and src.dtype != expect:
+            raise ConfigError(f"{layer.name}.{suffix} is {src.dtype}, expected {expect} for {s}")
+        if suffix == "weight_packed":  # the kernels' layout as it is
+            layer.qweight[part].copy_(src)
+        elif suffix == "qweight":
+            layer.qweight[part].copy_(lowbit.from_gptq(src) if s.format != "awq" else lowbit.from_awq(src))
+        elif suffix in ("weight_scale", "scales"):
+            layer.scales[:, part].copy_((src.t() if suffix == "weight_scale" else src).float())
+        elif suffix == "weight_zero_point":
+            layer.zeros[:, part].copy_(lowbit.unpack(src.t(), s.bits)[:, :n])
+        elif suffix == "qzeros":
+            zeros = lowbit.unpack(src, s.bits) if s.format != "awq" else lowbit.awq_columns(src)
+            if s.format == "gptq":  # GPTQ's first format stores zero points less one
+                zeros = zeros + 1
+            if zeros.max() > 255:
+                raise ConfigError(f"{layer.name}.qzeros: a zero point of {zeros.max()} does not fit a byte")
+            layer.zeros[:, part].copy_(zeros)
+        elif suffix == "g_idx":
+            k = src.shape[0]
+            in_order = torch.arange(k) // layer.group
+            if not torch.equal(src.long() - src[0].long(), in_order):
+                raise ConfigError(
+                    f"{layer.name}.g_idx: the groups are not runs of {layer.group} consecutive input columns "
+                    "(act-order / desc_act), which tinypaged does not run; quantize with desc_act false"
+                )
+        elif suffix == "weight_shape" and src.numel() != 2:
+            raise ConfigError(f"{layer.name}.weight_shape has {src.numel()} values, expected 2")
+
+    def weight(self, layer: Linear) -> lowbit.IntWeight:
+        """The layer's weight as the kernels take it."""
+        return lowbit.IntWeight(layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return lowbit.wint_linear(x, self.weight(layer), layer.bias)
+
+    def __str__(self) -> str:
+        return str(self.scheme)
+
+
 UNQUANTIZED = LinearMethod()
 
 
@@ -186,6 +298,8 @@ def linear_method(scheme: Scheme | None) -> LinearMethod:
         return UNQUANTIZED
     if isinstance(scheme, Fp8Scheme):
         return Fp8LinearMethod(scheme)
+    if isinstance(scheme, IntScheme):
+        return IntLinearMethod(scheme)
     raise ConfigError(f"no linear method runs {scheme}")
 
 

@@ -1,0 +1,134 @@
+"""Paged attention over an FP8 (E4M3) KV cache against the bf16 cache, on one GPU: checks, then decode timing.
+
+Checks: decode and a mixed batch (prefill chunks beside decodes) over an E4M3 cache with per-layer k/v scales,
+bf16 and fp16 queries, against `ops.ref_paged_attention` on the dequantized cache (float32), for each tile.
+Timing: decode steps of 64-256 sequences at 512-2048 tokens of context (8B shape: 32 query heads, 8 KV heads,
+128 dims, block size 16), as CUDA-graph replays over caches that exceed the L2; bf16 against FP8 with each
+variant of the decode tile. Bytes are the K/V bytes read; the FP8 cache reads half of bf16's.
+
+    python3 benchmarks/fp8_attention.py --json $OUT/fp8-attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from common import write_json
+
+import tinypaged.kernels as tk
+from kernels import graph_ms, paged_batch, rel_err
+from tinypaged import ops
+from tinypaged.model.quant.e4m3 import dequantize, quantize
+
+AttnConfig = tk.attention.AttnConfig
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def to_fp8(kv: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """A bf16 cache as E4M3 with one scale for K and one for V (amax / 448, as calibration takes them)."""
+    k_scale = float(kv[0].float().abs().amax()) / 448
+    v_scale = float(kv[1].float().abs().amax()) / 448
+    q8 = torch.stack([quantize(kv[0], torch.tensor(k_scale)), quantize(kv[1], torch.tensor(v_scale))])
+    return q8, k_scale, v_scale
+
+
+def variants(q: torch.Tensor) -> dict[str, tuple[AttnConfig, AttnConfig]]:
+    """The FP8 decode tiles to time: the default (the bf16 tile: 64 keys, 2 stages, 4 warps), 128-key tiles (the
+    bf16 tile's bytes), three stages."""
+    dec, pre = tk.attention.default_configs(q, HQ // HKV)
+    out = {"64x2": (dec, pre), "128x2": (_with(dec, block_n=128, maxnreg=None), pre)}
+    out["64x3"] = (_with(dec, num_stages=3), pre)
+    return out
+
+
+def _with(cfg: AttnConfig, **kw: Any) -> AttnConfig:
+    return AttnConfig(**{**cfg.__dict__, **kw})
+
+
+def checks(res: dict[str, Any]) -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, q_lens, ctx in [
+            ("decode", [1] * 12, [5, 17, 64, 100, 300, 513, 1000, 1, 31, 47, 250, 700]),
+            ("mixed", [1, 37, 1, 200, 1, 5], [900, 0, 64, 129, 3, 40]),
+        ]:
+            q, kv, bt, sl, qsl = paged_batch(q_lens, ctx, HQ, HKV, D, BS, seed=len(q_lens))
+            q = q.to(dtype)
+            kv8, ks, vs = to_fp8(kv)
+            deq = torch.stack([dequantize(kv8[0], torch.tensor(ks)), dequantize(kv8[1], torch.tensor(vs))])
+            ref = ops.ref_paged_attention(q.float(), deq.float(), bt, sl, qsl, D**-0.5)
+            for variant, cfgs in variants(q).items():
+                out = tk.paged_attention(q, kv8, bt, sl, qsl, D**-0.5, configs=cfgs, k_scale=ks, v_scale=vs)
+                err = rel_err(out, ref)
+                ok = err < 5e-3
+                res["checks"].append(
+                    {"case": name, "q_dtype": str(dtype), "variant": variant, "rel_err": err, "ok": ok}
+                )
+                print(
+                    f"check {name:6s} {str(dtype):15s} {variant:6s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}"
+                )
+
+
+def timing(res: dict[str, Any]) -> None:
+    for batch in (64, 128, 256):
+        for ctx in (512, 1024, 2048):
+            bf16_bytes = batch * ctx * HKV * D * 2 * 2
+            n_sets = max(2, -(-256 * 2**20 // bf16_bytes))
+            sets = [
+                paged_batch([1] * batch, [ctx - 1] * batch, HQ, HKV, D, BS, seed=i) for i in range(n_sets)
+            ]
+            row: dict[str, Any] = {"batch": batch, "ctx": ctx}
+
+            def run(
+                s: tuple,
+                cache: torch.Tensor,
+                cfgs: Any = None,
+                ks: float = 1.0,
+                vs: float = 1.0,
+                ctx: int = ctx,
+            ) -> Any:
+                q, _, bt, sl, qsl = s
+                return lambda: tk.paged_attention(
+                    q, cache, bt, sl, qsl, D**-0.5, max_query_len=1, max_seq_len=ctx, configs=cfgs,
+                    k_scale=ks, v_scale=vs,
+                )  # fmt: skip
+
+            row["bf16_us"] = graph_ms([run(s, s[1]) for s in sets]) * 1e3
+            fp8_sets = [(s, *to_fp8(s[1])) for s in sets]
+            for variant, cfgs in variants(sets[0][0]).items():
+                try:
+                    row[f"fp8 {variant}_us"] = (
+                        graph_ms([run(s, c, cfgs, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
+                    )
+                except Exception as e:  # a tile past the shared memory: recorded, the others go on
+                    row[f"fp8 {variant}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            row["bf16_TBps"] = bf16_bytes / row["bf16_us"] / 1e6
+            res["decode"].append(row)
+            print(row, flush=True)
+            del sets, fp8_sets
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "checks": [], "decode": []}
+    checks(res)
+    write_json(args.json, res)
+    timing(res)
+    write_json(args.json, res)
+    names = [k[:-3] for k in res["decode"][0] if k.endswith("_us")]
+    print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{n:>16}" for n in names) + "   (us; FP8 / bf16 speedup)")
+    for r in res["decode"]:
+        cells = [
+            f"{r.get(n + '_us', float('nan')):9.1f} {r['bf16_us'] / r.get(n + '_us', float('nan')):5.2f}x"
+            for n in names
+        ]
+        print(f"{r['batch']:5d} {r['ctx']:5d} " + " ".join(f"{c:>16}" for c in cells))
+    print("checks:", "all ok" if all(c["ok"] for c in res["checks"]) else "FAILED")
+
+
+if __name__ == "__main__":
+    main()

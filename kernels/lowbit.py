@@ -1,0 +1,380 @@
+"""Weight-only INT4 and INT8 linear layers: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x in bf16 or fp16
+(float32 too, for the CPU's interpreter), W as integer codes with float32 scales per output row and group of
+`group` input columns (a multiple of 32 that divides K; 128 by default).
+
+The layout (`model/quant/lowbit.py` packs it, and repacks every checkpoint format into it):
+- `qweight` int32 `[N, K * bits / 32]`: along each weight row, 32 / bits unsigned codes per int32, code j of
+  a word in bits `[j * bits, (j + 1) * bits)` (8 INT4 or 4 INT8 codes a word, the first in the low bits). This
+  is compressed-tensors' pack-quantized layout; a program reads whole rows of words, 16 bytes a load.
+- `scales` float32 `[K / group, N]`: group g of row n at `[g, n]`, so that one step's scales for a program's
+  rows are one contiguous load.
+- `zeros` uint8 `[K / group, N]` (asymmetric weights), or none: the zero point is then 2^(bits - 1) (symmetric).
+- A weight is `(code - zero) * scale`, computed in float32 (exact: the difference is a small integer).
+
+Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
+- `wint_gemv` (1-4 rows): a program owns BLOCK_N weight rows and walks K one group (or a power-of-two part of
+  one; or, with a power-of-two group, several whole groups: a config the sweep tries) at a time, unpacking the
+  words with shifts, dequantizing in registers to float32 and keeping float32 partial products per thread, as
+  kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
+  128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
+  float32 partial sums, which `_reduce_kernel` adds (bias and cast there): deterministic, no atomics.
+  Products and sums are float32: it matches the float32 reference up to the order of the sums.
+- `wint_gemm` (up to 64 rows): tiles through the tensor cores. The codes minus the zero point are small
+  integers, exact in bf16 and fp16, so each step's `tl.dot` of the activations against them (float32
+  accumulation) is exact up to float32 sums, and the group's scale multiplies the step's float32 result: the
+  only rounding beyond the reference's is the order of float32 sums. Up to 32 rows the tile is computed
+  transposed (weight rows on the tensor cores' 64-row side), as kernels/fp8_gemm.py does; K splits as above.
+- Larger steps: `wint_dequantize` writes the weight in the activations' dtype (one rounding a weight) for
+  torch's matmul; the crossover is `GEMM_ROWS` in model/quant/lowbit.py, for the H200 sweep to set.
+
+Every launch allocates with torch.empty only and never reads a value back, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_configs import num_sms
+from .pdl import pdl_options, pdl_start
+
+
+class IntWeight(Protocol):
+    """What the launchers read of a weight: model/quant/lowbit.py's `IntWeight` (packed codes, float32 scales,
+    uint8 zero points or None, bits of a code, columns of a group)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group: int
+
+
+GEMV_MAX_ROWS = 4
+
+
+@triton.jit
+def _codes(
+    w_ptr, cols, kp0, stride_w, col_ok, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The int32 codes `[BLOCK_N, BLOCK_K]` of weight rows `cols` from packed word kp0 on."""
+    PACK: tl.constexpr = 32 // BITS
+    kp = kp0 + tl.arange(0, BLOCK_K // PACK)
+    words = tl.load(
+        w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
+    )
+    shifts = tl.arange(0, PACK) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, g, cols, col_ok, stride_s, BITS: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """Group g's (scale, zero point) of weight rows `cols`, float32 `[BLOCK_N]` each."""
+    s = tl.load(s_ptr + g * stride_s + cols, mask=col_ok, other=0.0)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g * stride_s + cols, mask=col_ok, other=0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + (1 << (BITS - 1))
+    return s, z
+
+
+@triton.jit
+def _wint_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_x,
+    stride_w,
+    stride_s,
+    stride_ys,
+    stride_y,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
+    BLOCK_M x BLOCK_N tile. DOT: per step, the activations dotted with the codes minus their zero point (exact
+    in x's dtype) on the tensor cores, times the group's scales (SWAP_AB: the tile computed transposed); else
+    the GEMV's float32 partial products per thread, summed once at the end."""
+    PACK: tl.constexpr = 32 // BITS
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    pdl_start(USE_PDL)
+    if not DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
+        q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        if BLOCK_K > GROUP:  # the GEMV over several whole groups a step (a power-of-two group)
+            gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s_at = s_ptr + gs[None, :] * stride_s + cols[:, None]
+            s2 = tl.load(s_at, mask=col_ok[:, None], other=0.0)
+            if HAS_ZERO:
+                z_at = z_ptr + gs[None, :] * stride_s + cols[:, None]
+                z2 = tl.load(z_at, mask=col_ok[:, None], other=0).to(tl.float32)
+            else:
+                z2 = tl.zeros_like(s2) + (1 << (BITS - 1))
+            q3 = tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = tl.reshape((q3 - z2[:, :, None]) * s2[:, :, None], (BLOCK_N, BLOCK_K))
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        elif not DOT:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            w = (q.to(tl.float32) - z[:, None]) * s[:, None]
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        else:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
+            if SWAP_AB:
+                if IEEE:
+                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(x))
+                acc += part * s[:, None]
+            else:
+                if IEEE:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                acc += part * s[None, :]
+    if not DOT:
+        y = tl.sum(acc, axis=2)
+    elif SWAP_AB:
+        y = tl.trans(acc)
+    else:
+        y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split * stride_ys + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, b_ptr, y_ptr, MN, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """y[i] = sum over the splits of part[split, i] (+ b[i % N]): the float32 partial sums of a split K."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    pdl_start(USE_PDL)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """y[n, k] = (code - zero) * scale, in y's dtype, for one BLOCK_N x BLOCK_K tile (BLOCK_K divides GROUP)."""
+    PACK: tl.constexpr = 32 // BITS
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    col_ok = cols < N
+    pdl_start(USE_PDL)
+    q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K).to(tl.float32)
+    s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+    w = (q - z[:, None]) * s[:, None]
+    ks = k0 + tl.arange(0, BLOCK_K)
+    tl.store(
+        y_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :],
+        w.to(y_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+
+
+# ---- configs -------------------------------------------------------------------------------------------------
+
+
+def step_k(group: int, cap: int = 128) -> int:
+    """The K step: the largest power of two that divides the group, at most `cap` (at least 32: the group is a
+    multiple of 32), so that a step lies in one group."""
+    return min(cap, group & -group)
+
+
+def _split(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> int:
+    """How many programs share K: enough that `tiles` output tiles times the splits give every multiprocessor
+    at least two programs, each keeping `min_steps` K steps; a power of two that divides K's steps evenly."""
+    steps = k // block_k
+    split = 1
+    while tiles * split < 2 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= min_steps:
+        split *= 2
+    return split
+
+
+def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: 4,096 weights a step at one row (32 rows of a
+    128-wide group: 16 bytes of INT4 a thread, 32 float32 partials), fewer rows per program as rows are added,
+    then K split until every multiprocessor has two programs. First guesses: benchmarks/lowbit.py checks them
+    at the 8B shapes."""
+    block_k = step_k(group)
+    block_m = triton.next_power_of_2(m)
+    block_n = max(4, 4096 // (block_k * block_m))
+    return block_n, block_k, _split(triton.cdiv(n, block_n), k, block_k, sms), 4
+
+
+def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for `wint_gemm`: up to 32 rows a transposed
+    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split as in
+    `gemv_config`. First guesses, for the H200 sweep."""
+    block_k = step_k(group)
+    block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
+    tiles_m = triton.cdiv(m, block_m)
+    block_n = 128 if triton.cdiv(n, 128) * tiles_m >= sms else 64
+    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms)
+    return block_m, block_n, block_k, split, 4, 3
+
+
+# ---- launchers -----------------------------------------------------------------------------------------------
+
+
+def _check(x: torch.Tensor, w: IntWeight) -> tuple[int, int, int]:
+    m, k = x.shape
+    n = w.qweight.shape[0]
+    assert w.bits in (4, 8) and w.group % 32 == 0 and k % w.group == 0, (w.bits, w.group, k)
+    assert (
+        w.qweight.dtype == torch.int32 and w.qweight.shape[1] * 32 == k * w.bits and w.qweight.stride(1) == 1
+    )
+    assert (
+        w.scales.dtype == torch.float32 and w.scales.shape == (k // w.group, n) and w.scales.is_contiguous()
+    )
+    z = w.zeros
+    assert z is None or (z.dtype == torch.uint8 and z.shape == w.scales.shape and z.is_contiguous())
+    assert x.stride(1) == 1
+    return m, n, k
+
+
+def _finish(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """`out` = the sum of the float32 partials `[SPLIT, M, N]` (+ bias), in out's dtype."""
+    split, m, n = part.shape
+    block = 1024
+    _reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else part, out, m * n, n, split,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options(part),
+    )  # fmt: skip
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    w: IntWeight,
+    bias: torch.Tensor | None,
+    tiles: tuple[int, int, int],
+    split: int,
+    warps: int,
+    stages: int,
+    dot: bool,
+) -> torch.Tensor:
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
+    m, n, k = _check(x, w)
+    block_m, block_n, block_k = tiles
+    # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
+    spans = not dot and block_k % w.group == 0 and w.group & (w.group - 1) == 0
+    assert (w.group % block_k == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    dst = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    s, z = w.scales, w.zeros
+    _wint_kernel[grid](
+        x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, dst,
+        m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), m * n if split > 1 else 0, n,
+        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **pdl_options(x),
+    )  # fmt: skip
+    return y if split == 1 else _finish(dst, bias, y)
+
+
+def wint_gemv(
+    x: torch.Tensor,
+    w: IntWeight,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x `[M, K]` (M <= 4, rows contiguous) times the dequantized weight `w` (the module docstring's layout),
+    transposed, plus bias `[N]`: `[M, N]` in x's dtype, products and sums in float32 (semantics:
+    `model.quant.lowbit.ref_wint_linear`). `config`: (BLOCK_N, BLOCK_K, SPLIT, num_warps), default
+    `gemv_config`."""
+    m, k = x.shape
+    assert 1 <= m <= GEMV_MAX_ROWS
+    sms = num_sms(x.device) if x.is_cuda else 132
+    block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms)
+    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
+
+
+def wint_gemm(
+    x: torch.Tensor,
+    w: IntWeight,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """As `wint_gemv`, for any row count (tensor cores; meant for up to 64 rows): `[M, N]` in x's dtype.
+    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages), default `gemm_config`."""
+    m, k = x.shape
+    sms = num_sms(x.device) if x.is_cuda else 132
+    block_m, block_n, block_k, split, warps, stages = config or gemm_config(
+        m, w.qweight.shape[0], k, w.group, sms
+    )
+    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True)
+
+
+def wint_dequantize(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight `[N, K]` in `dtype`: `(code - zero) * scale` in float32, rounded once to `dtype`."""
+    n = w.qweight.shape[0]
+    k = w.qweight.shape[1] * 32 // w.bits
+    block_k, block_n = step_k(w.group), 32
+    y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
+    s, z = w.scales, w.zeros
+    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        w.qweight, s, z if z is not None else s, y, n, k, w.qweight.stride(0), s.stride(0),
+        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl_options(w.qweight),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,104 @@
+"""The weight-only INT4 / INT8 kernels against the float64 product of the dequantized weight (Triton
+interpreter; fp16 and float32 activations, since the interpreter's bf16 arithmetic is wrong: bf16 is checked on
+the H200 by benchmarks/lowbit.py).
+
+Tolerances: the GEMV's and the tensor-core kernel's products are float32 (the codes minus their zero point are
+exact in fp16, and the group's scale multiplies a float32 dot), so against float64 only float32 sums and the
+output's rounding differ: half an fp16 ulp (2^-11 relative) for fp16 out, 1e-5 for float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinypaged.kernels.lowbit import gemm_config, gemv_config, wint_dequantize, wint_gemm, wint_gemv
+from tinypaged.model.quant import lowbit
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2**-10, 1e-3)}
+
+
+def operands(m: int, n: int, k: int, bits: int, group: int, symmetric: bool, dtype: torch.dtype, seed: int):
+    """Random activations, a random weight rounded to `bits` (with zero points unless symmetric), a bias."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen) / k**0.5 + 0.01
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return x, lowbit.quantize_rtn(w, bits, group, symmetric), bias
+
+
+def want(x: torch.Tensor, q: lowbit.IntWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ lowbit.dequantize_weight(q).double().T
+    return y if bias is None else y + bias.double()
+
+
+CASES = [  # (bits, group, symmetric)
+    (4, 128, True),
+    (4, 128, False),
+    (8, 64, True),
+    (8, 32, False),
+    (4, 96, False),  # a group that is not a power of two: 32-wide steps
+]
+
+
+@pytest.mark.parametrize("bits, group, symmetric", CASES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetric: bool) -> None:
+    """One and three rows, N off the tile, fp16 with bias and float32 without; K split over programs too."""
+    k = 3 * group * 2
+    x, q, bias = operands(m, 37, k, bits, group, symmetric, torch.float16, seed=m + bits)
+    for split in (1, 2):
+        cfg = gemv_config(m, 37, k, group)[:2] + (split, 4)
+        y = wint_gemv(x, q, bias=bias, config=cfg)
+        assert y.dtype == torch.float16 and y.shape == (m, 37)
+        torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
+    xf = x.float()
+    torch.testing.assert_close(wint_gemv(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (8, True)])
+def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
+    """A power-of-two group: the GEMV's step may span 2 or 4 whole groups (K split too)."""
+    x, q, bias = operands(2, 24, 512, bits, 32, symmetric, torch.float32, seed=bits)
+    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4)]:
+        y = wint_gemv(x, q, bias=bias, config=cfg)
+        torch.testing.assert_close(y.double(), want(x, q, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, group, symmetric", CASES)
+def test_gemm_matches_dequantized_product(bits: int, group: int, symmetric: bool) -> None:
+    """Transposed (row tiles under 64) and plain tiles, K split or not, fp16 and float32."""
+    m, n, k = 19, 40, 2 * group * 2
+    x, q, bias = operands(m, n, k, bits, group, symmetric, torch.float16, seed=bits + group)
+    block_k = gemm_config(m, n, k, group)[2]
+    for cfg in [(32, 32, block_k, 1, 4, 2), (16, 64, block_k, 2, 4, 2), (64, 16, block_k, 4, 4, 1)]:
+        y = wint_gemm(x, q, bias=bias, config=cfg)
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
+    xf = x.float()
+    torch.testing.assert_close(wint_gemm(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, group, symmetric", CASES[:3])
+def test_dequantize_kernel_rounds_the_reference_once(bits: int, group: int, symmetric: bool) -> None:
+    _, q, _ = operands(1, 40, 2 * group, bits, group, symmetric, torch.float16, seed=3)
+    ref = lowbit.dequantize_weight(q)
+    assert torch.equal(wint_dequantize(q, torch.float32), ref)
+    assert torch.equal(wint_dequantize(q, torch.float16), ref.half())
+
+
+def test_dispatch_by_rows_matches_the_reference() -> None:
+    """`wint_linear` (the op a layer runs) on 1, 8 and 80 rows: GEMV, tensor-core kernel, dequantize + matmul."""
+    for m in (1, 8, 80):
+        x, q, bias = operands(m, 24, 128, 4, 32, False, torch.float32, seed=m)
+        y = lowbit.wint_linear(x, q, bias)
+        torch.testing.assert_close(y, lowbit.ref_wint_linear(x, q, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_configs_at_the_8b_shapes() -> None:
+    """Narrow outputs split K so that an H200's 132 multiprocessors each get two programs; wide ones do not."""
+    assert gemv_config(1, 4096, 14336, 128) == (32, 128, 4, 4)  # down_proj: 128 row tiles x 4
+    assert gemv_config(1, 28672, 4096, 128)[2] == 1  # gate_up: 896 programs
+    assert gemv_config(1, 6144, 4096, 128)[2] == 2
+    assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
+    assert gemm_config(64, 28672, 4096, 128)[:4] == (64, 128, 128, 2)

@@ -1,0 +1,266 @@
+"""Warm-up before ready: every kernel specialisation a request can launch is compiled before the engine takes its
+first request, so that no request after ready waits on a compile (on the H200 the first top-p request took
+2.6 s, 17x the next one, compiling the sampler's kernel inside it).
+
+Triton compiles a kernel the first time it is launched with a new specialisation: new constexprs (tile sizes,
+the attention's DECODE / SPLIT_KV / SPLITS_POW2, the FP8 matmul's tile rows), new tensor dtypes or alignments,
+an integer argument newly 1 or a multiple of 16. The model runner's CUDA graphs compile what decode steps and
+small steps with prefill chunks launch; what runs outside them is warmed here, from two declared tables:
+- SAMPLING_VARIANTS: each sampling path a request can take, run through the engine's sampler on a step's own
+  logits (the model's dtype and layout; the kernel is compiled again for the float32 rows that penalties and
+  banned tokens make), alone (its row gathered) and all together; a grammar's token mask; beam search's scores;
+  logprobs. The grammar compiler's tokenizer view is built too (a second for a 128k vocabulary).
+- `eager_steps`: forward passes that run outside the graphs (prompt scoring, steps past the largest graph,
+  --enforce-eager), one per row count of ROW_COUNTS (the linear layers' dispatch by row count: the GEMVs, the
+  FP8 and INT4 / INT8 matmuls' tiles, torch's matmuls beyond, each on both sides of 16's divisibility) and one
+  decode per power-of-two context length (decode attention's split count grows with the context), through the
+  executor, so on every tensor-parallel rank; the first step also copies a block (copy-on-write: the forks of
+  n > 1, best_of and beam search) and swaps one out and in (preemption).
+
+tests/engine/test_warmup.py checks the tables against the dispatch itself: every launched Triton kernel, every
+specialisation that a sweep of step shapes and sampling parameters reaches, every field of SamplingParams. A new
+kernel or sampling path fails it until it has an entry here. Nothing compiles on the CPU: there `warm_up` returns
+at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+from tinypaged import compile_cache, ops
+from tinypaged.config import EngineConfig
+from tinypaged.core.schedule_types import ScheduledSeq
+from tinypaged.core.scheduler import SchedulerOutput
+from tinypaged.engine.device.executor import Executor
+from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, upload
+from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width
+from tinypaged.model.quant import fp8, lowbit
+from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine(Protocol):
+    """The parts of an LLMEngine the warm-up runs (llm_engine.py calls it from its constructor)."""
+
+    config: EngineConfig
+    runner: ModelRunner
+    executor: Executor
+    sampler: Sampler
+    grammars: GrammarCompiler
+    eos_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SamplingVariant:
+    """One sampling path: a request's parameters, and what the engine does to its row before the sampler."""
+
+    name: str
+    params: SamplingParams
+    banned: bool = False  # EOS banned below min_tokens: float32 rows without penalties
+    grammar: bool = False  # a grammar's token mask is applied to the row first
+
+
+_T = 0.8
+_SCHEMA = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+SAMPLING_VARIANTS: tuple[SamplingVariant, ...] = (
+    SamplingVariant("greedy", SamplingParams(temperature=0.0)),
+    SamplingVariant("temperature", SamplingParams(temperature=_T)),
+    SamplingVariant("top_p", SamplingParams(temperature=_T, top_p=0.9)),
+    SamplingVariant("top_k", SamplingParams(temperature=_T, top_k=20)),
+    SamplingVariant("min_p", SamplingParams(temperature=_T, min_p=0.05)),
+    SamplingVariant(
+        "penalties",
+        SamplingParams(temperature=_T, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    ),
+    SamplingVariant(
+        "min_tokens", SamplingParams(temperature=_T, min_tokens=4, stop_token_ids=[1]), banned=True
+    ),
+    SamplingVariant("seed", SamplingParams(temperature=_T, seed=0)),
+    SamplingVariant("logprobs", SamplingParams(temperature=_T, logprobs=5)),
+    SamplingVariant("prompt_logprobs", SamplingParams(temperature=0.0, prompt_logprobs=5)),
+    SamplingVariant("best_of", SamplingParams(temperature=_T, n=2, best_of=3)),
+    SamplingVariant("beams", SamplingParams(temperature=0.0, n=2, use_beam_search=True)),
+    SamplingVariant("grammar", SamplingParams(temperature=_T, structured_outputs=_SCHEMA), grammar=True),
+)
+
+# Fields of SamplingParams that change nothing on the device (host-side stops, detokenization, output shape,
+# beam scoring on the host): every other field must be set away from its default by some variant above.
+HOST_ONLY_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "stop",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "skip_special_tokens",
+        "length_penalty",
+        "early_stopping",
+        "output_kind",
+    }
+)
+
+FP8_SWIGLU_TILED_ROWS = 256  # kernels/fp8.py's TILED_ROWS (not imported: the CPU engine never imports Triton)
+
+# Row counts where a linear layer's dispatch changes kernel or tile: ops.linear's GEMV (its tile rows the next
+# power of two), the FP8 matmul (fp8.py: tiles of 16, 32, 64 and 128 rows up to GEMM_ROWS, torch._scaled_mm
+# beyond; the FP8 SwiGLU in tiles up to kernels/fp8.py's TILED_ROWS), the INT4 / INT8 GEMV and tensor-core
+# kernel (lowbit.py: tiles of 16, 32 and 64 rows, dequantize and matmul beyond). Each boundary's last row count
+# and the next one: so each class is warmed once a multiple of 16 and once not (Triton specialises an integer on
+# its divisibility by 16). The sweep of tests/engine/test_warmup.py holds it against the kernels' own choices.
+_BOUNDARIES = {
+    ops._GEMV_ROWS, fp8.GEMM_ROWS, FP8_SWIGLU_TILED_ROWS, lowbit.GEMV_ROWS, lowbit.GEMM_ROWS, 2, 16, 32, 64, 128
+}  # fmt: skip
+ROW_COUNTS: tuple[int, ...] = tuple(sorted({b + d for b in _BOUNDARIES for d in (0, 1) if b + d > 0}))
+
+
+def needs_warmup(engine: LLMEngine) -> bool:
+    """Whether anything would compile: the runner's ops go to Triton on a GPU."""
+    runner = engine.runner
+    return runner.device.type == "cuda" and ops.uses_triton(runner.kv_cache)
+
+
+def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) -> list[SchedulerOutput]:
+    """The warm-up's forward passes outside the graphs: a prefill of each of ROW_COUNTS tokens (one sequence), a
+    decode at each power-of-two context length, then a decode batch whose logits the sampler's warm-up reads
+    (as many rows as there are variants, up to max_num_seqs). The first step copies block 0 to block 1 and,
+    with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
+    bs = config.block_size
+    longest = min(config.max_model_len, num_blocks * bs)
+    steps = [_step([(0, t)], bs) for t in ROW_COUNTS if t <= min(longest, config.max_num_batched_tokens)]
+    context = bs
+    while context <= longest:
+        steps.append(_step([(context - 1, 1)], bs))
+        context *= 2
+    rows = min(config.max_num_seqs, len(SAMPLING_VARIANTS))
+    steps.append(_step([(0, 1)] * rows, bs))
+    copy = ((0, 1),) if num_blocks >= 2 else ()
+    swap = num_blocks >= 4 and num_cpu_blocks >= 1
+    first = steps[0]
+    out, back = (((2, 0),), ((0, 3),)) if swap else ((), ())
+    steps[0] = SchedulerOutput(first.scheduled, out, back, copy, (), (), first.num_batched_tokens)
+    return steps
+
+
+def _step(seqs: list[tuple[int, int]], block_size: int) -> SchedulerOutput:
+    """A step of sequences given as (tokens already computed, new tokens), each on blocks 0, 1, ... (their K/V
+    are scratch: nothing reads it after the warm-up)."""
+    scheduled = tuple(
+        ScheduledSeq(
+            seq_id=i,
+            request_id=f"warmup-{i}",
+            num_computed_tokens=done,
+            num_new_tokens=new,
+            token_ids=(0,) * new,
+            block_table=tuple(range(-(-(done + new) // block_size))),
+            do_sample=True,
+        )
+        for i, (done, new) in enumerate(seqs)
+    )
+    return SchedulerOutput(scheduled, (), (), (), (), (), sum(new for _, new in seqs))
+
+
+def warm_up(engine: LLMEngine, force: bool = False) -> float:
+    """Compile every kernel specialisation a request can launch (see the module's docstring); returns the seconds
+    it took. Does nothing unless `needs_warmup` (or `force`: tests, on the CPU).
+
+    The work runs twice: first as a dry run whose launches only submit their compiles to a pool
+    (`compile_cache.compile_only`: side by side instead of one after the other; one rank only, since a
+    tensor-parallel worker runs its launches for real), then for real, which compiles whatever the dry run
+    missed. The grammar compiler's tokenizer view is built meanwhile, in its own pool. The engine's host random
+    stream is left as it was, so that unseeded sampling after it is what it would have been without."""
+    if not (force or needs_warmup(engine)):
+        return 0.0
+    t0 = time.perf_counter()
+    runner = engine.runner
+    grammar = engine.grammars.submit(_SCHEMA)  # llguidance's view of the tokenizer, built once, in its pool
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        steps = eager_steps(engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks)
+        if engine.config.tensor_parallel_size == 1:
+            compile_cache.dry_run(lambda: _run(engine, steps), "warm-up")
+        _run(engine, steps)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    try:  # structured outputs alone depend on it
+        grammar.result()
+    except Exception as e:  # noqa: BLE001 - the engine serves without it; a grammar request will say why
+        logger.warning("warm-up: compiling a grammar failed (%s); structured outputs may not work", e)
+    return time.perf_counter() - t0
+
+
+def _run(engine: LLMEngine, steps: list[SchedulerOutput]) -> None:
+    """The warm-up's steps through the executor, then the sampler's variants on the last one's logits."""
+    for sched in steps[:-1]:
+        engine.executor.execute(sched, (0,))
+    out = engine.executor.execute(steps[-1], (0,))
+    assert out is not None
+    _warm_sampler(engine, out.logits)
+
+
+def _warm_sampler(engine: LLMEngine, logits: torch.Tensor) -> None:
+    """Each variant on one row gathered from the step's logits, then every row at once on the logits as they
+    are (variants in turn), as `DrawBatch` hands them to the sampler, at the last four row counts."""
+    eos = min(engine.eos_ids, default=0)
+    rows = [_row(v, i, eos) for i, v in enumerate(SAMPLING_VARIANTS)]
+    device, n = logits.device, logits.shape[0]
+    for i, (variant, row) in enumerate(zip(SAMPLING_VARIANTS, rows, strict=True)):
+        one = logits[upload([i % n], torch.int64, device)]
+        _draw(engine, one, [variant], [row])
+    # Several row counts: the sampler's per-row parameters go up as rows of one tensor, and Triton specialises
+    # on a pointer's 16-byte alignment (the sampler pads the rows so that it does not vary; the test holds it).
+    for k in range(n, max(0, n - 4), -1):
+        picks = [i % len(rows) for i in range(k)]
+        _draw(engine, logits[:k], [SAMPLING_VARIANTS[i] for i in picks], [rows[i] for i in picks])
+
+
+def _row(variant: SamplingVariant, index: int, eos: int) -> SamplingRow:
+    p = variant.params
+    seed_key = index + 1 if p.seed is not None else None
+    banned = (eos, *p.stop_token_ids) if variant.banned else ()
+    return SamplingRow(p, [0, 1, 2], [1, 2, 2], seed_key, banned)
+
+
+def _draw(
+    engine: LLMEngine, logits: torch.Tensor, variants: list[SamplingVariant], rows: list[SamplingRow]
+) -> None:
+    """What one step does with these rows: grammar masks, then the sampler (or beam search's scores)."""
+    masked = [i for i, v in enumerate(variants) if v.grammar]
+    if masked:
+        words = torch.full((len(masked), bitmask_width(logits.shape[1])), -1, dtype=torch.int32)
+        ops.apply_token_bitmask(logits, words.to(logits.device), upload(masked, torch.int32, logits.device))
+    beams = [i for i, v in enumerate(variants) if v.params.use_beam_search]
+    if beams:
+        scores = engine.sampler.beam_logprobs(logits[beams], [rows[i] for i in beams])
+        scores.flatten().topk(2)
+    sampled = [i for i, v in enumerate(variants) if not v.params.use_beam_search]
+    if sampled:
+        best_of = any(rows[i].params.num_seqs > rows[i].params.n for i in sampled)
+        part = logits if len(sampled) == len(rows) else logits[sampled]
+        engine.sampler.sample(part, [rows[i] for i in sampled], need_logprobs=best_of).result()
+
+
+def sampling_fields() -> set[str]:
+    """The fields of SamplingParams a warm-up variant must cover (all but HOST_ONLY_FIELDS)."""
+    return {f.name for f in fields(SamplingParams)} - HOST_ONLY_FIELDS
+
+
+def start(engine: LLMEngine, started: float) -> tuple[tuple[str, float], ...]:
+    """The end of an engine's start (`started`: its time.perf_counter() at the start): the warm-up, then the
+    startup phases with their seconds (weights, KV cache, CUDA graph capture, warm-up, total), logged."""
+    warm_s = warm_up(engine)
+    stats = engine.runner.stats
+    phases = (
+        ("weights", stats.load_s),
+        ("kv_cache", stats.kv_cache_s),
+        ("graph_capture", stats.graph_capture_s),
+        ("warmup", stats.warm_logits_s + warm_s),
+        ("total", time.perf_counter() - started),
+    )
+    cache = f"; compile cache {stats.compile_cache}" if stats.compile_cache else ""
+    logger.info("startup: %s%s", ", ".join(f"{name} {s:.2f} s" for name, s in phases), cache)
+    return phases
