@@ -176,6 +176,20 @@ def correctness() -> None:
                         1e-2,
                     )
 
+    # Sliding windows (Mistral v0.1's 4096 scaled down; Gemma 3's 1024 with its head_dim of 256): the blocks
+    # wholly below each sequence's window are -1 in its table, as the block manager leaves them (never read).
+    for hq, hkv, d, window in [(32, 8, 128, 700), (8, 4, 256, 1024)]:
+        q_lens = [1, 1, 1, 1, 700, 700, 256]
+        ctx = [15, 1024, 2047, 2999, 0, 1200, 2000]
+        batch = paged_batch(q_lens, ctx, hq, hkv, d, 16, seed=window)
+        for i, c in enumerate(ctx):
+            batch[2][i, : max(c - window + 1, 0) // 16] = -1
+        scale = d**-0.5
+        ref = ops.ref_paged_attention(*batch, scale, window=window)
+        for splits in (None, 1, 4):
+            out = tk.paged_attention(*batch, scale, window=window, num_kv_splits=splits)
+            check(f"attn window {window} {hq}/{hkv}/{d} splits {splits} vs ref", rel_err(out, ref), 1e-2)
+
     # Decode inside a CUDA graph: hints given, no host sync; replay after the lengths change.
     ctx = [100, 900, 3000, 7, 64, 2000, 511, 4000]
     q, kv, bt, sl, qsl = paged_batch([1] * 8, ctx, 32, 8, 128, 16, seed=1)

@@ -11,7 +11,8 @@ uniformly random token ids, seed 1, all submitted at once.
 
 Roofline (as BENCHMARKS.md defines it): every decode step of an ideal schedule (all requests prefilled, then
 decoded together; step k serves the requests with more than k output tokens) reads the weights once and the
-K/V of every live context at the copy bandwidth, 4.28 TB/s; the prefills run at the matmul rate, 680 TFLOP/s.
+K/V of every live context (in a windowed layer, its last window only) at the copy bandwidth, 4.28 TB/s; the
+prefills run at the matmul rate, 680 TFLOP/s.
 A stricter variant charges each decode step max(bytes, FLOPs) and is printed beside it.
 
 Per-step figures (mixed and decode steps: wall, device time, host time, batch; KV slots at peak) come from the
@@ -63,14 +64,18 @@ from tinypaged import LLM
 from tinypaged.config import ModelConfig
 
 
-def ideal_decode_steps(work: Work) -> Iterator[tuple[int, float]]:
+def ideal_decode_steps(work: Work, windows: tuple[int | None, ...] = ()) -> Iterator[tuple[int, float]]:
     """The roofline's schedule after its prefill: every request decodes in step k (output token k; the first
-    comes from the prefill) while it has k tokens or more to produce. Yields (sequences, their total context)."""
+    comes from the prefill) while it has k tokens or more to produce. Yields (sequences, their total context).
+    With the model's layer windows, a context counts only the keys each layer keeps, min(context, window) in a
+    windowed layer, averaged over the layers (the bytes and attention FLOPs a step spends on them)."""
     p = np.array([len(w[0]) for w in work], dtype=np.float64)
     o = np.array([w[1] for w in work], dtype=np.float64)
     for k in range(2, int(o.max()) + 1):
         live = o >= k
-        yield int(live.sum()), float((p[live] + k - 1).sum())
+        ctx = p[live] + k - 1
+        kept = [np.minimum(ctx, w).sum() if w else ctx.sum() for w in windows] or [ctx.sum()]
+        yield int(live.sum()), float(np.mean(kept))
 
 
 def roofline(
@@ -95,7 +100,7 @@ def roofline(
     decode_bytes_s = decode_strict_s = decode_per_op_s = decode_capped_s = 0.0
     idle, reading, computing, limit = watts or (0.0, 0.0, 0.0, 1.0)
     steps = 0
-    for n, ctx in ideal_decode_steps(work):
+    for n, ctx in ideal_decode_steps(work, cfg.layer_windows):
         t_bytes = (weights + ctx * kvb) / bw
         t_flops = (n * flops_token + ctx * attn_flops_ctx) / rate
         decode_bytes_s += t_bytes

@@ -11,7 +11,10 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
-without masks, the rest (diagonal, end of sequence) with them. Softmax is online, in fp32, in base 2.
+without masks, the rest (diagonal, end of sequence) with them. With a sliding window (WINDOWED), a program
+starts at the tile of its first row's first visible key and masks the tiles its rows' windows begin in; keys
+below that first visible key are not read at all, so their blocks may have been freed and their block-table
+entries reused or left stale. Softmax is online, in fp32, in base 2.
 An FP8 cache's tiles are converted to the query's dtype as they are loaded (exact: E4M3 values are fp16 and bf16
 values; bf16 queries are made fp16 first, E4M3's one-instruction conversion on sm_90); its scales cost nothing per
 key: k_scale is in the softmax scale, v_scale multiplies a program's output once.
@@ -64,22 +67,36 @@ def _attend_tiles(
     seq_len,
     tile_lo,
     tile_hi,
+    gap_at,
+    gap,
     stride_kb,
     stride_kt,
     qk_scale,
+    window,
+    min_key,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) with KV tiles [tile_lo, tile_hi) of one sequence/KV head."""
+    """Online-softmax update of (acc, l_i, m_i) with KV tiles [tile_lo, tile_hi) of one sequence/KV head, those
+    from `gap_at` on shifted up by `gap` (MASKED only: the tiles at a window's edge, then those at the diagonal,
+    in one loop); where MASKED, keys at or past seq_len, after a row's position or (WINDOWED) `window` or more
+    before it, and below `min_key` (not read) are masked."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(tile_lo * BLOCK_N, tile_hi * BLOCK_N, BLOCK_N):
-        k_pos = start_n + offs_n
+    for i in range(tile_lo, tile_hi):
+        if MASKED:
+            tile = tl.where(i >= gap_at, i + gap, i)
+        else:
+            tile = i
+        k_pos = tile * BLOCK_N + offs_n
         if MASKED:
             kv_ok = k_pos < seq_len
+            if WINDOWED:
+                kv_ok = kv_ok & (k_pos >= min_key)
             block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         else:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
@@ -91,7 +108,10 @@ def _attend_tiles(
             k = tl.load(k_ptr + kv_off)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale
         if MASKED:
-            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+            visible = k_pos[None, :] <= q_pos[:, None]
+            if WINDOWED:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -118,6 +138,7 @@ def _paged_attn_kernel(
     seq_order_ptr,
     qk_scale,
     v_scale,
+    window,
     num_seqs,
     num_splits,
     stride_qt,
@@ -139,12 +160,14 @@ def _paged_attn_kernel(
     SKIP_SINGLE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of one tile of packed (query token, query head) rows over one sequence's paged K/V (an FP8
-    cache's: `qk_scale` holds its k_scale, and the output is multiplied by `v_scale`)."""
+    cache's: `qk_scale` holds its k_scale, and the output is multiplied by `v_scale`), each row within its
+    `window` where WINDOWED."""
     pdl_start(USE_PDL)
     # The KV head varies fastest across programs, so that the programs reading the same blocks (which hold
     # every KV head of their tokens) run side by side.
@@ -206,13 +229,25 @@ def _paged_attn_kernel(
     end = tl.minimum(first_pos + BLOCK_Q, seq_len)
     n_tiles = tl.cdiv(end, BLOCK_N)
     n_full = tl.minimum((first_pos + 1) // BLOCK_N, n_tiles)
+    # Windowed: keys from min_key on are visible to some row, those from full_key on to every row (up to
+    # first_pos); tiles [first, n_win) are masked at the window's edge, [n_win, n_full) run without masks.
+    min_key = 0
+    first = 0
+    n_win = 0
+    if WINDOWED:
+        min_key = tl.maximum(first_pos - window + 1, 0)
+        first = min_key // BLOCK_N
+        n_win = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(end - window, 0), BLOCK_N), first), n_full)
     if SPLIT_KV:
-        per_split = tl.cdiv(n_tiles, num_splits)
-        lo = tl.minimum(split * per_split, n_tiles)
+        per_split = tl.cdiv(n_tiles - first, num_splits)
+        lo = tl.minimum(first + split * per_split, n_tiles)
         hi = tl.minimum(lo + per_split, n_tiles)
     else:
-        lo = 0
+        lo = first
         hi = n_tiles
+    # The masked tiles of [lo, hi): [lo, win_end) at the window's edge, then [win_end + gap, hi) at the diagonal.
+    win_end = tl.minimum(tl.maximum(n_win, lo), hi)
+    gap = tl.minimum(tl.maximum(n_full, lo), hi) - win_end
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -230,15 +265,20 @@ def _paged_attn_kernel(
         bt_row,
         kv_head_off,
         seq_len,
-        lo,
+        tl.maximum(lo, n_win),
         tl.minimum(hi, n_full),
+        0,
+        0,
         stride_kb,
         stride_kt,
         qk_scale,
+        window,
+        min_key,
         BLOCK_SIZE,
         BLOCK_N,
         HEAD_DIM,
         False,
+        WINDOWED,
         DOT_PREC,
     )
     acc, l_i, m_i = _attend_tiles(
@@ -252,15 +292,20 @@ def _paged_attn_kernel(
         bt_row,
         kv_head_off,
         seq_len,
-        tl.maximum(lo, n_full),
-        hi,
+        lo,
+        hi - gap,
+        win_end,
+        gap,
         stride_kb,
         stride_kt,
         qk_scale,
+        window,
+        min_key,
         BLOCK_SIZE,
         BLOCK_N,
         HEAD_DIM,
         True,
+        WINDOWED,
         DOT_PREC,
     )
     if KV_FP8:
@@ -333,8 +378,10 @@ def paged_attention(
     configs: tuple[AttnConfig, AttnConfig] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`).
+    """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`), each
+    token within its last `window` positions where given.
 
     `max_query_len` (longest new-token run in the batch) and `max_seq_len` (an upper bound of `seq_lens`) are
     hints that keep the launch free of host syncs; without them `max_query_len` is 1 when T == B and is read
@@ -364,6 +411,7 @@ def paged_attention(
     common = dict(
         qk_scale=scale * _LOG2E * (float(k_scale) if kv_fp8 else 1.0),
         v_scale=float(v_scale),
+        window=window or 0,
         num_seqs=num_seqs,
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
@@ -379,6 +427,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8,
+        WINDOWED=window is not None,
         **pdl_options(q),
     )
     tensors = (block_tables, seq_lens, query_start_loc)
@@ -413,7 +462,8 @@ def paged_attention(
             return out
 
     cfg = decode_cfg
-    splits = num_kv_splits or choose_num_splits(q, num_seqs, num_kv_heads, max_seq_len, cfg.block_n)
+    longest = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n)
+    splits = num_kv_splits or choose_num_splits(q, num_seqs, num_kv_heads, longest, cfg.block_n)
     if splits > 1:
         part_o = torch.empty((splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)

@@ -46,12 +46,16 @@ def _default_configs(
     # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md). The decode tile's two
     # stages (three before) were chosen in the engine: W1 runs at the H200's power cap, where they were faster in
     # the decode steps' graphs and in W1 (runs 45-48), with the same arithmetic (the same tokens).
-    decode = AttnConfig(rows, 64, num_warps=4, num_stages=2, maxnreg=128)
+    # Gemma 3's head_dim of 256 is not measured yet (benchmarks/kernels.py's sweeps on the H200 should choose):
+    # its tiles keep the fp32 accumulator small (prefill: 64 x 256 in 8 warps, 64 registers a thread; decode:
+    # 16 x 256 in 4, 32) and take half the keys a step, so that the shared memory holds as many programs.
+    decode = AttnConfig(rows, 64 if head_dim <= 128 else 32, num_warps=4, num_stages=2, maxnreg=128)
     if head_dim <= 64:
         prefill = AttnConfig(max(128, rows), 64, num_warps=4, num_stages=4)
-    elif (
-        elem_bytes > 2
-    ):  # fp32 tiles are twice the bytes: the half-precision tile needs 263 KB of shared memory
+    elif head_dim > 128:
+        prefill = AttnConfig(max(64, rows), 32, num_warps=8, num_stages=2)
+    elif elem_bytes > 2:
+        # fp32 tiles are twice the bytes: the half-precision tile needs 263 KB of shared memory
         prefill = AttnConfig(max(128, rows), 32, num_warps=8, num_stages=2)
     else:
         prefill = AttnConfig(max(256, rows), 64, num_warps=8, num_stages=3)

@@ -80,6 +80,36 @@ def generate_with_stats():
     return _generate_with_stats
 
 
+@pytest.fixture(scope="session")
+def tiny_hf_model(model_dir: Path):
+    """`tiny_hf_model(out, family, **config) -> out`: a random HF model of that family ("Llama", "Mistral", ...),
+    tiny (2 layers, hidden 32, GQA) but for `config`, saved with the default model's tokenizer (vocab sized to
+    match)."""
+    import shutil
+
+    import transformers
+
+    def make(out: Path, family: str, **config: object) -> Path:
+        shape = dict(
+            vocab_size=49152,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        cfg = getattr(transformers, f"{family}Config")(**(shape | config))
+        getattr(transformers, f"{family}ForCausalLM")(cfg).save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(model_dir / name, out / name)
+        return out
+
+    return make
+
+
 @pytest.fixture
 def run_paged():
     """Run a model over a paged KV cache with a simple block assignment (see `_run_paged`)."""

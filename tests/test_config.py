@@ -33,15 +33,10 @@ def model(tmp_path: Path):  # noqa: ANN201
     return make
 
 
-def test_sliding_window_caps_the_default_length(model) -> None:
+def test_sliding_window_is_every_layer_s_and_does_not_cap_the_context(model) -> None:
+    """The attention runs the window (ops.paged_attention), so a windowed model serves its whole context."""
     cfg = EngineConfig(model=model(sliding_window=4096))
-    assert cfg.model_config.sliding_window == 4096 and cfg.max_model_len == 4096
-    assert EngineConfig(model=model(sliding_window=4096), max_model_len=1000).max_model_len == 1000
-
-
-def test_sliding_window_refuses_a_longer_context(model) -> None:
-    with pytest.raises(ConfigError, match=r"exceeds the model's sliding window \(4096 tokens\)"):
-        EngineConfig(model=model(sliding_window=4096), max_model_len=8192)
+    assert cfg.model_config.layer_windows == (4096, 4096) and cfg.max_model_len == 32768
 
 
 @pytest.mark.parametrize("window", [None, 0, 32768, 65536])

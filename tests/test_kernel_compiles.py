@@ -105,7 +105,7 @@ def test_gemv_kernel_compiles_for_hopper() -> None:
 _PDL_KERNELS = {
     "gemv._gemv_kernel": {"HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024},
     "norm._rms_norm_kernel": {"HAS_RESIDUAL": True, "FP8_OUT": False, "BLOCK": 4096, "INTERPRET": False},
-    "activation._silu_and_mul_kernel": {"BLOCK": 1024},
+    "activation._silu_and_mul_kernel": {"BLOCK": 1024, "GELU": False},
     "cache._write_kv_kernel": {
         "BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128, "FP8": False, "INTERPRET": False,
     },
@@ -117,6 +117,7 @@ _PDL_KERNELS = {
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
         "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
+        "WINDOWED": False,
     },
     "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
 }  # fmt: skip
@@ -314,3 +315,37 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "_dequantize_kernel",
         {k: base[k] for k in ("GROUP", "BITS", "HAS_ZERO", "BLOCK_K", "USE_PDL")} | {"BLOCK_N": 32},
     )
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_sliding_window_attention_compiles_for_hopper(decode: bool) -> None:
+    """The windowed attention (Mistral's, Gemma 3's local layers) compiles for sm_90 in both modes: the
+    interpreter accepts the tile remapping of its masked loop whatever the compiler would make of it."""
+    from tinypaged.kernels.attention import _paged_attn_kernel
+
+    constexprs = _PDL_KERNELS["attention._paged_attn_kernel"] | {"WINDOWED": True, "USE_PDL": True}
+    if not decode:
+        constexprs |= {"DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_M": 128, "BLOCK_Q": 32}
+    signature = {a: "constexpr" if a in constexprs else _arg_type(a) for a in _paged_attn_kernel.arg_names}
+    src = ASTSource(fn=_paged_attn_kernel, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_attention_tiles_of_head_dim_256_fit_hopper(decode: bool) -> None:
+    """Gemma 3's head_dim of 256 in bf16: the default tiles compile for sm_90 within its 227 KB of shared
+    memory a block (a launch past it fails with "out of resources", which the interpreter never sees)."""
+    from tinypaged.kernels.attention import _paged_attn_kernel
+    from tinypaged.kernels.attention_configs import _default_configs
+
+    cfg = _default_configs(True, 2, 256, 2)[0 if decode else 1]
+    constexprs = _PDL_KERNELS["attention._paged_attn_kernel"] | {"HEAD_DIM": 256, "G": 2, "WINDOWED": True}
+    constexprs |= {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "USE_PDL": True}
+    if not decode:
+        constexprs |= {"DECODE": False, "SPLIT_KV": False, "ORDERED": False, "BLOCK_Q": cfg.block_m // 2}
+    signature = {a: "constexpr" if a in constexprs else _arg_type(a) for a in _paged_attn_kernel.arg_names}
+    src = ASTSource(fn=_paged_attn_kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared

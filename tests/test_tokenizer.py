@@ -63,3 +63,39 @@ def test_chat_template_is_sandboxed(tmp_path, model_dir) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": evil}))
     with pytest.raises(ValueError, match="chat template"):
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# What the families' templates use beyond plain Jinja: Qwen's and Mistral's `tojson` of the tools (keys as given,
+# no HTML escaping), a loop `break`, `raise_exception`, `strftime_now`, string methods.
+FAMILY_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+    "{%- if m.role not in ['user', 'assistant'] %}{{ raise_exception('roles must be user/assistant') }}{% endif %}"
+    "<start_of_turn>{{ m.role }}\n{{ m.content.split('</think>')[-1].lstrip('\\n') | trim }}<end_of_turn>\n"
+    "{%- endfor %}{{ strftime_now('%Y') | length }}"
+)
+
+
+def test_family_template_renders_as_hf_does(tmp_path, model_dir) -> None:
+    import json
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": FAMILY_TEMPLATE}))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": "<b> & é"}}}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>hmm</think>\n\nHello"},
+        {"role": "stop", "content": ""},
+        {"role": "system", "content": "never rendered"},
+    ]
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=FAMILY_TEMPLATE
+    )
+    want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert Tokenizer(tmp_path).apply_chat_template(messages, tools=tools) == want
+    assert '{"z": 1, "a": "<b> & é"}' in want
+    with pytest.raises(ValueError, match="roles must be"):
+        Tokenizer(tmp_path).apply_chat_template([{"role": "system", "content": "x"}])

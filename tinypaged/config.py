@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -13,16 +12,28 @@ from tinypaged.core.schedule_types import SchedulerConfig
 from tinypaged.errors import ConfigError
 from tinypaged.quantization import QUANTIZATIONS, resolve_quantization
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-
-
-logger = logging.getLogger(__name__)
+# config.json's model_type -> the family the model code runs it as (its switches: tinypaged/model/llama.py).
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+}
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+SUPPORTED_FAMILIES = "Llama, Mistral, Qwen2/2.5, Qwen3 and Gemma 3 text"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family model, read from its config.json."""
+    """The shape of a model of one of the families the Llama module runs, read from its config.json; the fields
+    after `torch_dtype` are where the families differ from Llama."""
 
     path: Path
     hidden_size: int
@@ -41,7 +52,17 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    sliding_window: int | None = None  # Mistral v0.1: each token attends to this many tokens at most
+    family: str = "llama"  # FAMILIES' values
+    # The window of each layer (None: it attends to the whole context): a token sees itself and the window - 1
+    # tokens before it. Empty: no layer is windowed.
+    layer_windows: tuple[int | None, ...] = ()
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v but not o (`attention_bias`: on all four)
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before the rotary embedding
+    hidden_act: str = "silu"  # the gate's activation: silu, or gelu_pytorch_tanh (Gemma 3)
+    # Gemma 3's windowed layers rotate with their own base (`rope_local_base_freq`), unscaled.
+    local_rope_theta: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # config.json's `quantization_config` as written (model/quant/scheme.py reads it); None: full precision
     quantization_config: dict[str, Any] | None = None
 
@@ -65,10 +86,14 @@ class ModelConfig:
         """Build from a parsed config.json, rejecting architectures this engine does not implement."""
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        arch_type = {a: t for t, a in zip(FAMILIES, SUPPORTED_ARCHITECTURES, strict=True)}
+        family = FAMILIES.get(model_type) or next(
+            (FAMILIES[arch_type[a]] for a in archs if a in arch_type), None
+        )
+        if family is None:
             got = model_type or (archs[0] if archs else "unknown")
             raise ConfigError(
-                f"unsupported model architecture {got!r} in {path}: tinypaged serves Llama-family models "
+                f"unsupported model architecture {got!r} in {path}: tinypaged runs {SUPPORTED_FAMILIES} "
                 f"({', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         try:
@@ -77,9 +102,13 @@ class ModelConfig:
             # transformers >= 5 writes rope settings as one `rope_parameters` dict; checkpoints in the wild
             # carry `rope_theta` and `rope_scaling`.
             rope = raw.get("rope_parameters") or {}
+            # Gemma 3 under transformers >= 5: one dict per layer type.
+            local_rope = rope.get("sliding_attention") or {}
+            rope = rope.get("full_attention", rope)
             rope_scaling = raw.get("rope_scaling") or (
                 rope if rope.get("rope_type", "default") != "default" else None
             )
+            gemma = family == "gemma3"
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             cfg = cls(
@@ -96,12 +125,23 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
+                attention_bias=bool(raw.get("attention_bias", False)) and family != "qwen2",
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-                sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
                 quantization_config=raw.get("quantization_config"),
+                family=family,
+                layer_windows=_layer_windows(family, raw),
+                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                qk_norm=family in ("qwen3", "gemma3"),
+                hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
+                local_rope_theta=float(
+                    local_rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
+                )
+                if gemma
+                else None,
+                attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
+                final_logit_softcapping=raw.get("final_logit_softcapping"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"bad config.json in {path}: {type(e).__name__}: {e}") from e
@@ -109,10 +149,63 @@ class ModelConfig:
             raise ConfigError(f"num_attention_heads {cfg.num_heads} is not a multiple of {cfg.num_kv_heads}")
         if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) not in (
             "llama3",
+            "linear",
             "default",
         ):
             raise ConfigError(f"unsupported rope_scaling {cfg.rope_scaling} in {path}")
+        if local_rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"unsupported rope_parameters of the windowed layers {local_rope} in {path}")
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ConfigError(
+                f"unsupported activation {cfg.hidden_act!r} in {path} (silu, gelu_pytorch_tanh)"
+            )
+        if raw.get("attn_logit_softcapping"):
+            raise ConfigError(f"attention logit softcapping (attn_logit_softcapping) is not run ({path})")
         return cfg
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The longest layer window (None: no layer is windowed)."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has one (the block manager then gives back the blocks it has passed);
+        None when some layer sees the whole context."""
+        windowed = self.layer_windows and all(w is not None for w in self.layer_windows)
+        return self.sliding_window if windowed else None
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s window (None: the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+
+def _layer_windows(family: str, raw: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window from config.json: `layer_types` where it is written, else the family's rule (Mistral:
+    every layer; Qwen: none unless `use_sliding_window`, then the layers from `max_window_layers` on; Gemma 3:
+    all but every `sliding_window_pattern`-th). A window of 0 or null is none."""
+    window = raw.get("sliding_window")
+    n = int(raw["num_hidden_layers"])
+    if (
+        not window
+        or (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"))
+        or family == "llama"
+    ):
+        return ()
+    types = raw.get("layer_types")
+    if types is None:
+        if family == "mistral":
+            types = ["sliding_attention"] * n
+        elif family == "gemma3":
+            pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:
+            start = int(raw.get("max_window_layers", n))
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types {types} is not one of sliding_attention/full_attention a layer")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(windows) else ()
 
 
 def _arg(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - argparse's word
@@ -230,20 +323,12 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        limit, window = mcfg.max_position_embeddings, mcfg.sliding_window
-        # The attention here is over the whole context, which equals a sliding-window model's attention only
-        # while the context fits in the window: such a model is served up to its window.
-        windowed = window is not None and window < limit
-        if windowed:
-            limit = window
+        limit = mcfg.max_position_embeddings
         if not self.max_model_len:
-            if windowed:
-                logger.warning("max_model_len capped at the model's sliding window (%d tokens)", window)
             object.__setattr__(self, "max_model_len", limit)
         elif self.max_model_len > limit:
-            what = "sliding window" if windowed else "context"
             raise ConfigError(
-                f"max_model_len {self.max_model_len} exceeds the model's {what} ({limit} tokens)"
+                f"max_model_len {self.max_model_len} exceeds the model's context ({limit} tokens)"
             )
         for name, ok, rule in (
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),

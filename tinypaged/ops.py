@@ -177,6 +177,7 @@ def ref_paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of a ragged batch over their sequences' paged KV cache.
 
@@ -184,7 +185,8 @@ def ref_paged_attention(
     `seq_lens` `[B]`: each sequence's length including its new tokens (whose K/V are already written), so the
     j-th new token of sequence i sits at position `seq_lens[i] - q_len_i + j` and sees positions up to it.
     `block_tables` `[B, max_blocks]` (int32, padded). Returns `[T, Hq, D]`. An FP8 cache is read dequantized
-    (`gather_context`).
+    (`gather_context`). With a `window`, the token at position p sees only positions (p - window, p]: the block
+    table's entries below a sequence's first visible position are never used (their blocks may have been freed).
     """
     scales = (k_scale, v_scale)
     out = torch.empty_like(q)
@@ -197,7 +199,10 @@ def ref_paged_attention(
         max_len = max(lens[i] for i in decode)
         k, v = gather_context(kv_layer, block_tables[idx], max_len, *scales)
         rows = query_start_loc[idx].long()
-        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[idx][:, None]
+        kpos = torch.arange(max_len, device=q.device)[None, :]
+        mask = kpos < seq_lens[idx][:, None]
+        if window is not None:
+            mask &= kpos >= seq_lens[idx][:, None] - window
         o = F.scaled_dot_product_attention(
             q[rows][:, :, None, :].float(),  # [B, Hq, 1, D]
             k.transpose(1, 2).float(),
@@ -213,7 +218,10 @@ def ref_paged_attention(
         length = lens[i]
         k, v = gather_context(kv_layer, block_tables[i : i + 1], length, *scales)
         qpos = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        kpos = torch.arange(length, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
         o = F.scaled_dot_product_attention(
             q[starts[i] : starts[i] + n].transpose(0, 1)[None].float(),  # [1, Hq, n, D]
             k.transpose(1, 2).float(),
@@ -230,6 +238,12 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a fused gate/up projection `[..., 2 * I]` (gate then up): `silu(gate) * up`, in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def ref_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP activation of a fused gate/up projection: `gelu_tanh(gate) * up`, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def ref_copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -440,8 +454,10 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`).
+    """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`), within a
+    sliding `window` where the layer has one.
 
     `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
@@ -463,8 +479,10 @@ def paged_attention(
             seq_order=seq_order,
             k_scale=k_scale,
             v_scale=v_scale,
+            window=window,
         )
-    return ref_paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    args = (q, kv_layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window)
+    return ref_paged_attention(*args)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -500,6 +518,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return kernel(x)
     return ref_silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh gated activation of a fused gate/up projection `[T, 2 * I]` (see `ref_gelu_tanh_and_mul`)."""
+    if uses_triton(x):
+        from tinypaged.kernels import silu_and_mul as kernel
+
+        return kernel(x, gelu=True)
+    return ref_gelu_tanh_and_mul(x)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

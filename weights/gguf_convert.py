@@ -1,9 +1,10 @@
-"""Convert a llama.cpp GGUF file of a Llama-family model into a Hugging Face-style model directory.
+"""Convert a llama.cpp GGUF file of a model the engine runs into a Hugging Face-style model directory.
 
 The output is what the engine's loader reads: `config.json`, `model.safetensors` (dequantized),
 `tokenizer.json` (HF `tokenizers`), `tokenizer_config.json` (with the chat template) and
-`generation_config.json`. Only what the default model needs is supported (architecture "llama",
-a byte-level BPE vocabulary); anything else ends with a `WeightsError` rather than a wrong model.
+`generation_config.json`. Architectures "llama" (Llama, Mistral), "qwen2", "qwen3" and "gemma3" (its text
+model); the vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`. Anything else ends
+with a `WeightsError` rather than a wrong model.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
+from .errors import WeightsError
+from .gguf_tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, build_tokenizer
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -32,6 +32,24 @@ _LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3 normalises after attention and around the MLP: its ffn_norm comes before the MLP.
+_GEMMA3_TENSORS = _LAYER_TENSORS | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# GGUF architecture -> (HF architecture, model_type).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,12 +58,8 @@ _GLOBAL_TENSORS = {
 }
 
 
-class WeightsError(Exception):
-    """A model could not be fetched or converted; the message says why in one line."""
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
-    """Write the Hugging Face-style directory for the Llama GGUF at `gguf_path` into `out_dir`."""
+    """Write the Hugging Face-style directory for the GGUF at `gguf_path` into `out_dir`."""
     if dtype not in _DTYPES:
         raise WeightsError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
     reader = _open(Path(gguf_path))
@@ -53,7 +67,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None
     config = _llama_config(meta, dtype)
     tensors = _hf_tensors(reader, config)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    tokenizer = _build_tokenizer(meta)  # everything is checked before the first file is written
+    tokenizer = build_tokenizer(meta)  # everything is checked before the first file is written
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,10 +118,14 @@ def _require(meta: dict[str, Any], key: str) -> Any:
 
 def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
     arch = _require(meta, "general.architecture")
-    if arch != "llama":
-        raise WeightsError(f"unsupported GGUF architecture {arch!r} (only 'llama' is converted)")
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise WeightsError("GGUF files with RoPE scaling are not supported by this converter")
+    if arch not in _ARCHITECTURES:
+        raise WeightsError(
+            f"unsupported GGUF architecture {arch!r} (converted: {', '.join(_ARCHITECTURES)}: Llama, Mistral, "
+            "Qwen2/2.5, Qwen3, Gemma 3)"
+        )
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) and not (arch == "gemma3" and scaling == "linear"):
+        raise WeightsError(f"GGUF files with {scaling!r} RoPE scaling are not supported by this converter")
 
     hidden = int(_require(meta, f"{arch}.embedding_length"))
     n_head = int(_require(meta, f"{arch}.attention.head_count"))
@@ -116,9 +134,25 @@ def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
     if rope_dim != head_dim:
         raise WeightsError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     tokens = _require(meta, "tokenizer.ggml.tokens")
+    hf_arch, model_type = _ARCHITECTURES[arch]
+    family: dict[str, Any] = {}
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3: windowed layers five in six, their rope base 10000, q scaled by head_dim^-0.5.
+        family = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim,
+            "sliding_window": int(_require(meta, f"{arch}.attention.sliding_window")),
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+        }
+        if scaling == "linear":
+            family["rope_scaling"] = {
+                "rope_type": "linear",
+                "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+            }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_require(meta, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_require(meta, f"{arch}.block_count")),
@@ -137,16 +171,18 @@ def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": dtype,
+        **family,
     }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
-        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    names = _GEMMA3_TENSORS if model_type == "gemma3_text" else _LAYER_TENSORS
+    if prefix == "blk" and layer.isdigit() and suffix in names:
+        return f"model.layers.{layer}.{names[suffix]}"
     return None
 
 
@@ -156,7 +192,7 @@ def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
 
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config["model_type"])
         if name is None:
             # e.g. rope_freqs.weight (Llama 3 rope scaling): silently dropping it would change the model.
             raise WeightsError(f"unsupported GGUF tensor {tensor.name!r}")
@@ -166,10 +202,14 @@ def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
             array = np.array(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
         except (ValueError, NotImplementedError) as exc:
             raise WeightsError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
-        if name.endswith("q_proj.weight"):
+        # llama.cpp permutes Q and K rows for its "llama" architecture only; it stores Gemma's norm weights as
+        # 1 + w, which HF's checkpoints (and the loader) take as w.
+        if config["model_type"] == "llama" and name.endswith("q_proj.weight"):
             array = unpermute_rope_rows(array, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif config["model_type"] == "llama" and name.endswith("k_proj.weight"):
             array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        elif config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            array = array - 1.0
         tensors[name] = array
 
     expected = _expected_shapes(config, tied="lm_head.weight" not in tensors)
@@ -183,9 +223,10 @@ def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _expected_shapes(config: dict[str, Any], tied: bool) -> dict[str, tuple[int, ...]]:
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    q_dim = config["num_attention_heads"] * config["head_dim"]
-    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    hidden, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_dim = config["num_attention_heads"] * d
+    kv_dim = config["num_key_value_heads"] * d
+    family = config["model_type"]
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config["vocab_size"], hidden),
         "model.norm.weight": (hidden,),
@@ -205,6 +246,14 @@ def _expected_shapes(config: dict[str, Any], tied: bool) -> dict[str, tuple[int,
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
+        if family == "qwen2":
+            shapes |= {
+                p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))
+            }
+        if family in ("qwen3", "gemma3_text"):
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if family == "gemma3_text":
+            shapes |= {p + f"{x}_feedforward_layernorm.weight": (hidden,) for x in ("pre", "post")}
     return shapes
 
 
@@ -219,58 +268,6 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) ->
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)
-
-
-def _build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise WeightsError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre")
-    if pre not in ("smollm", "gpt2"):
-        raise WeightsError(f"unsupported GGUF pre-tokenizer {pre!r}")
-
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _require(meta, "tokenizer.ggml.merges")]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise WeightsError("GGUF vocabulary has duplicate tokens")
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre == "smollm":
-        # llama.cpp's "smollm" rule (and SmolLM2's own tokenizer.json): every digit is a piece of its own
-        # before the GPT-2 regex runs, so " 42" is "Ġ", "4", "2" and a space run before a digit stays whole.
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    # Control tokens (<|im_start|>, ...) are matched whole and skipped when decoding with
-    # skip_special_tokens; user-defined ones are matched whole but are ordinary text.
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _TOKEN_CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _TOKEN_USER_DEFINED
-        ]
-    )
-    if tokenizer.get_vocab_size() != len(tokens):
-        raise WeightsError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, GGUF lists {len(tokens)}")
-    return tokenizer
 
 
 def _token(meta: dict[str, Any], key: str) -> str | None:
@@ -288,10 +285,10 @@ def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": kind == _TOKEN_CONTROL,
+            "special": kind == TOKEN_CONTROL,
         }
         for i, kind in enumerate(types)
-        if kind in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
     }
     result: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

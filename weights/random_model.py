@@ -26,7 +26,29 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# Shapes of the public configs (config.json of each model), for benchmarks with random weights.
+_QWEN = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "use_sliding_window": False}
+_QWEN |= {"bos_token_id": 151643, "eos_token_id": 151645}
+_GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "vocab_size": 262208,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+# Shapes of the public configs (config.json of each model), for benchmarks with random weights; Llama's unless
+# `architectures` says otherwise.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "hidden_size": 4096,
@@ -75,6 +97,70 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    "qwen2.5-7b": {
+        **_QWEN,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "sliding_window": 131072,
+        "max_window_layers": 28,
+    },
+    "qwen3-8b": {
+        **_QWEN,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+    },
+    # Mistral-7B v0.1: the one with a sliding window (4096) on every layer; v0.2 and v0.3 have none.
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # Gemma 3's text models: five windowed layers (1024) to each global one.
+    "gemma-3-4b": {
+        **_GEMMA3,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "gemma-3-12b": {
+        **_GEMMA3,
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
 }
 
 _CHAT_TEMPLATE = (
@@ -114,9 +200,12 @@ def make_random_model(
 
 
 def _tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Checkpoint names and shapes, in HF's order (embeddings, layers, final norm, head)."""
+    """Checkpoint names and shapes, in HF's order (embeddings, layers, final norm, head), with each family's
+    extra tensors: Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms, Gemma 3's norms after the
+    attention and around the MLP."""
     h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    family = cfg.get("model_type", "llama")
     shapes = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -131,6 +220,15 @@ def _tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.up_proj.weight", (inter, h)),
             (p + "mlp.down_proj.weight", (h, inter)),
         ]
+        if family == "qwen2":
+            shapes += [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
+        if family in ("qwen3", "gemma3_text"):
+            shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        if family == "gemma3_text":
+            shapes += [
+                (p + "pre_feedforward_layernorm.weight", (h,)),
+                (p + "post_feedforward_layernorm.weight", (h,)),
+            ]
     shapes.append(("model.norm.weight", (h,)))
     if not cfg["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (cfg["vocab_size"], h)))
@@ -162,7 +260,9 @@ def _write_weights(cfg: dict[str, Any], out: Path, seed: int) -> None:
         tensors = {}
         for name, shape in shard:
             if name.endswith("norm.weight"):
-                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+                # Gemma's norms scale by 1 + w: zeros are its ones.
+                one = 0.0 if cfg.get("model_type") == "gemma3_text" else 1.0
+                tensors[name] = torch.full(shape, one, dtype=torch.bfloat16)
             else:
                 t = torch.empty(shape, dtype=torch.float32, device=device).normal_(
                     0.0, WEIGHT_STD, generator=gen

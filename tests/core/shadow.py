@@ -13,10 +13,12 @@ Slot = tuple[int, ...]  # token ids [0 .. position] that produced this slot's K/
 
 
 class ShadowCache:
-    """Does what the model runner would do with copies, swaps and writes, on tuples instead of tensors."""
+    """Does what the model runner would do with copies, swaps and writes, on tuples instead of tensors. Under a
+    sliding `window` (every layer's), only the positions the next token sees must be intact."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.gpu: dict[tuple[int, int], Slot] = {}
         self.cpu: dict[tuple[int, int], Slot] = {}
 
@@ -56,12 +58,13 @@ class ShadowCache:
     def check_prefix(
         self, block_table: Iterable[int], token_ids: list[int], upto: int, on_cpu: bool = False
     ) -> None:
-        """Every position below upto holds the K/V of exactly this sequence's prefix."""
+        """Every position below upto (within the window of position upto, under one) holds the K/V of exactly this
+        sequence's prefix."""
         table = list(block_table)
         bs = self.block_size
         store = self.cpu if on_cpu else self.gpu
         assert len(table) >= -(-upto // bs), f"block table {table} does not cover {upto} computed tokens"
-        for pos in range(upto):
+        for pos in range(0 if self.window is None else max(0, upto - self.window + 1), upto):
             got = store.get((table[pos // bs], pos % bs))
             assert got == tuple(token_ids[: pos + 1]), f"slot for position {pos} holds {got}, not the prefix"
 
@@ -105,6 +108,9 @@ def run_step(sched: Scheduler, shadow: ShadowCache, next_token: int = 7) -> Sche
         assert s.do_sample == (end == seq.num_tokens)
         # Attention reads the computed prefix through this block table: it must hold exactly that prefix.
         shadow.check_prefix(s.block_table, seq.token_ids, s.num_computed_tokens)
+        if kv.sliding_window is not None:  # a chunk of C tokens under a window holds its blocks and C's
+            held = [b for b in s.block_table if b >= 0]
+            assert len(held) <= -(-(kv.sliding_window + s.num_new_tokens) // kv.block_size) + 1, s.block_table
         shadow.write(s.block_table, seq.token_ids, s.num_computed_tokens, s.num_new_tokens)
     assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
@@ -131,6 +137,8 @@ def check_snapshot(kv: KVCacheManager, snap: CacheSnapshot, request_ids: Mapping
             if kv.is_swapped(seq_id) != on_cpu:
                 continue
             for block_id in kv.get_block_table(seq_id):
+                if block_id < 0:
+                    continue  # released under a sliding window
                 refs[block_id] += 1
                 holders.setdefault(block_id, set()).add(request_id)
         assert view.ref_counts == tuple(refs) == tuple(pool.ref_count(b) for b in range(pool.num_blocks))

@@ -228,19 +228,23 @@ def simulate(
     caching: bool,
     watermark: float,
     keys: str,
+    window: int | None = None,
 ) -> list[tuple[tuple[int, int, int], ...]]:
     """Random arrivals (1-3 prompts at a time), forks, finishes and aborts on a tiny cache, checking the
     invariants after every step. `keys` names each group's client request: `own` none (each its own), `shared`
-    one for all, `unique` a distinct one each, `clients` one per arrival (its prompts together). Returns what
-    each step scheduled: (seq id, computed, new tokens) per sequence."""
+    one for all, `unique` a distinct one each, `clients` one per arrival (its prompts together). Under a sliding
+    `window` (every layer's), a sequence holds at most ceil(window / BS) + 1 blocks between steps (run_step checks
+    the bound during a step). Returns what each step scheduled: (seq id, computed, new tokens) per sequence."""
     rng = random.Random(seed)
     max_model_len = 16
     if not chunked:
         budget = max(budget, max_model_len)
-    kv = KVCacheManager(BS, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching)
+    kv = KVCacheManager(
+        BS, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching, sliding_window=window
+    )
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, mode, chunked)  # type: ignore[arg-type]
     sched = Scheduler(cfg, kv)
-    shadow = ShadowCache(BS)
+    shadow = ShadowCache(BS, window)
     ids = iter(range(10**6))
     limits: dict[int, int] = {}  # seq id -> max output tokens
     forks: dict[str, int] = {}  # request id -> children still to fork after the first sample
@@ -287,6 +291,11 @@ def simulate(
         for group in sched.running + sched.swapped:
             for seq in group.unfinished_seqs():
                 shadow.check_seq(kv, seq)
+                held = [b for b in kv.get_block_table(seq.seq_id) if b >= 0]
+                assert window is None or len(held) <= -(-window // BS) + 1, (
+                    window,
+                    kv.get_block_table(seq.seq_id),
+                )
         for group in sched.swapped:
             assert all(s.status == SequenceStatus.SWAPPED for s in group.unfinished_seqs())
         queued = sched.running + sched.swapped + sched.waiting
@@ -309,6 +318,7 @@ CONFIGS = {
     "chunked": st.booleans(),
     "caching": st.booleans(),
     "watermark": st.sampled_from([0.0, 0.1, 0.3]),
+    "window": st.sampled_from([None, None, 1, 2, 3, 5]),
 }
 
 

@@ -434,3 +434,32 @@ def test_reset_prefix_cache_only_when_no_block_is_held() -> None:
     assert kv.gpu_pool.num_cached_blocks == 0 and kv.num_free_gpu_blocks == 10
     assert kv.lookup_prefix(Sequence(3, list(range(12)) + [7])).num_tokens == 0
     kv.check_integrity(waiting_seq_ids=[2, 3])
+
+
+def test_sliding_window_releases_what_the_next_token_cannot_see() -> None:
+    """Window 5, blocks of 4: after computing n tokens, blocks wholly below position n - 4 are released (their
+    entries NULL_BLOCK, a prefix of the table); a hit longer than the window is taken, then released at once
+    (its blocks stay cached for the next hit); a fork shares only what is held."""
+    from tinypaged.core.kv_cache_manager import NULL_BLOCK
+
+    kv, shadow = make(num_gpu=12, bs=4, enable_prefix_caching=True, sliding_window=5), ShadowCache(4, 5)
+    seq = Sequence(0, list(range(21)))
+    admit(kv, seq)
+    for n in (8, 8, 4):
+        compute(kv, shadow, seq, n)
+        kv.free_out_of_window(seq)
+        kv.check_integrity()
+    table = kv.get_block_table(0)
+    assert table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in table[4:]  # 20 computed: keys from 16 on
+    shadow.check_seq(kv, seq)
+    other = Sequence(1, list(range(21)))
+    assert admit(kv, other) == 20
+    kv.free_out_of_window(other)
+    assert kv.get_block_table(1)[:4] == [NULL_BLOCK] * 4
+    kv.fork(1, 2)
+    kv.check_integrity()
+    kv.free(0)
+    kv.free(1)
+    kv.free(2)
+    kv.check_integrity()
+    assert kv.num_free_gpu_blocks == 12

@@ -45,3 +45,15 @@ def test_silu_and_mul_strided_rows_and_out() -> None:
     assert out.data_ptr() == out_wide.data_ptr()
     check(x, out)
     assert (out_wide[:, 100:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 1024 + 37)])
+def test_gelu_tanh_and_mul(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Gemma's gate: gelu_tanh(gate) * up, as x * sigmoid(2u) in the kernel, against torch's tanh form."""
+    t, i = shape
+    x = (3 * torch.randn(t, 2 * i, generator=torch.Generator().manual_seed(i))).to(dtype)
+    out = tk.silu_and_mul(x, gelu=True)
+    rtol, atol = TOL[dtype]
+    want = ops.ref_gelu_tanh_and_mul(x.double())
+    torch.testing.assert_close(out.double(), want, rtol=rtol + 1e-6, atol=max(atol, 1e-6))

@@ -227,3 +227,34 @@ def test_fp8_cache(q_lens: list[int], ctx_lens: list[int], g: int, dtype: torch.
     # The scales are read: the same bytes at scale 1 give another output.
     plain = ops.ref_paged_attention(q, cache, bt, seq_lens, qsl, scale)
     assert ((plain - want).norm() / want.norm()).item() > 0.1
+
+
+@pytest.mark.parametrize(
+    ("window", "g", "block_size", "dtype", "splits"),
+    [
+        (1, 2, 8, torch.float32, 1),
+        (7, 4, 8, torch.float32, 2),
+        (16, 1, 16, torch.float16, 1),
+        (40, 4, 4, torch.float32, 3),
+    ],
+)
+def test_sliding_window(window: int, g: int, block_size: int, dtype: torch.dtype, splits: int) -> None:
+    """Each token sees its last `window` positions: decodes and prefill chunks over contexts longer and shorter
+    than the window. The block-table entries wholly below a sequence's first visible key are -1 (freed blocks):
+    never read."""
+    q_lens = [1, 9, 1, 23, 4, 1, 30]
+    ctx_lens = [37, 0, 5, 18, 50, 3, 70]
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, ctx_lens, 2, g, 32, block_size, dtype, seed=window)
+    for i, ctx in enumerate(ctx_lens):
+        gone = max(ctx - window + 1, 0) // block_size  # blocks before the one holding the first visible key
+        bt[i, :gone] = -1
+    scale = q.shape[-1] ** -0.5
+    ref = ops.ref_paged_attention(q, kv, bt, seq_lens, qsl, scale, window=window)
+    full = ops.ref_paged_attention(q, kv, bt.clamp(min=0), seq_lens, qsl, scale)
+    assert not torch.allclose(ref, full)  # the window binds
+    for cfgs in (None, (AttnConfig(16, 16, 4, 1), AttnConfig(32, 16, 4, 1))):
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention(
+            q, kv, bt, seq_lens, qsl, scale, out=out, num_kv_splits=splits, window=window, configs=cfgs
+        )
+        check(out, ref)

@@ -18,9 +18,12 @@ from tinypaged.model.quant import Linear, fp8, lowbit
 from tinypaged.quantization import ONLINE_INT, Fp8Scheme, Quantization, linear_layers
 
 
-def tiny_model(num_kv_heads: int, seed: int, quant: Quantization | None = None) -> LlamaForCausalLM:
+def tiny_model(
+    num_kv_heads: int, seed: int, quant: Quantization | None = None, **family: object
+) -> LlamaForCausalLM:
     """Two layers of GQA (4 query heads) with random weights and norms, float32 (FP8 linear layers as `quant`
-    says: E4M3 weights with per-row scales, quantized from random ones)."""
+    says: E4M3 weights with per-row scales, quantized from random ones); `family`: ModelConfig's family
+    fields."""
     cfg = ModelConfig(
         path=Path("."),
         hidden_size=64,
@@ -39,6 +42,7 @@ def tiny_model(num_kv_heads: int, seed: int, quant: Quantization | None = None) 
         bos_token_id=None,
         eos_token_ids=(),
         torch_dtype="float32",
+        **family,
     )
     model = LlamaForCausalLM(cfg, max_positions=128, quant=quant)
     gen = torch.Generator().manual_seed(seed)
@@ -73,6 +77,27 @@ def test_prefill_then_decode_equals_the_references(num_kv_heads: int, block_size
     got = run_paged(model, prompts, block_size, decodes)
     with ops.torch_reference_ops():
         want = run_paged(model, prompts, block_size, decodes)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(family="gemma3", qk_norm=True, hidden_act="gelu_pytorch_tanh", layer_windows=(6, None)),
+        dict(family="qwen2", qkv_bias=True, layer_windows=(5, 5)),
+    ],
+)
+def test_family_switches_equal_the_references(family: dict, run_paged) -> None:
+    """Gemma 3's q/k norms, GELU-tanh gate, sandwich norms and interleaved windows; Qwen's q/k/v biases under a
+    window on every layer: the kernels' model equals the torch references' past the windows."""
+    model = tiny_model(2, seed=5, local_rope_theta=100.0 if family["family"] == "gemma3" else None, **family)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 17, 1)]
+    decodes = [torch.randint(0, 97, (4,), generator=gen).tolist() for _ in prompts]
+    got = run_paged(model, prompts, 4, decodes)
+    with ops.torch_reference_ops():
+        want = run_paged(model, prompts, 4, decodes)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 

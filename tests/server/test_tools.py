@@ -1,6 +1,6 @@
-"""Tool calls found in generated text (server/tools.py): Hermes blocks and Llama 3.x JSON for `auto`, the
-constrained array of `required`; fed whole or piece by piece (as a stream), the same calls and content; and a
-chat template that reads `tools` gets them."""
+"""Tool calls found in generated text (server/tools.py): Hermes blocks, Llama 3.x JSON and Mistral's
+`[TOOL_CALLS]` for `auto`, the constrained array of `required`; fed whole or piece by piece (as a stream), the
+same calls and content; and a chat template that reads `tools` gets them."""
 
 from __future__ import annotations
 
@@ -60,6 +60,23 @@ def test_required_array(piece: int) -> None:
     assert piece >= len(REQUIRED) or when[0] < len(REQUIRED)
 
 
+MISTRAL_ARRAY = (
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+)
+MISTRAL = {
+    "v3": "[TOOL_CALLS] " + MISTRAL_ARRAY,
+    "v3 marker skipped": MISTRAL_ARRAY,
+    "v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+}
+
+
+@pytest.mark.parametrize("form", list(MISTRAL))
+@pytest.mark.parametrize("piece", [1, 6, 1000])
+def test_mistral_calls(form: str, piece: int) -> None:
+    content, calls, _ = _parse("auto", MISTRAL[form], piece)
+    assert content == "" and calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -67,6 +84,9 @@ def test_required_array(piece: int) -> None:
         "A <tool_ mention that never becomes a block",
         '{"not": "a call"}',
         "<tool_call>not json</tool_call> after",
+        "[1] a list item, not a call",
+        "[TOOL_CALLS]get_weather[ARGS]not json",
+        '[{"not": "a call"}]',
     ],
 )
 @pytest.mark.parametrize("piece", [1, 4, 1000])

@@ -1,4 +1,5 @@
-"""Block tables over a GPU and a CPU block pool: allocation, copy-on-write, fork, swap, prefix caching."""
+"""Block tables over a GPU and a CPU block pool: allocation, copy-on-write, fork, swap, prefix caching, and the
+release of blocks that a sliding window has passed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from dataclasses import dataclass
 
 from tinypaged.core.block_pool import BlockHash, BlockPool, HashFn, PoolSnapshot, hash_block_tokens
 from tinypaged.core.sequence import Sequence, SequenceGroup
+
+# A block-table entry whose block was released: every layer's window has passed its positions, which the
+# attention never reads again (kernels/attention.py). Such entries are a prefix of a table.
+NULL_BLOCK = -1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,7 +45,12 @@ class CacheSnapshot:
 
 
 class KVCacheManager:
-    """Maps each sequence's token positions to physical blocks (its block table), keeping ref counts right."""
+    """Maps each sequence's token positions to physical blocks (its block table), keeping ref counts right.
+
+    `sliding_window`: the window of a model whose every layer attends to its last `sliding_window` positions
+    only; a sequence then gives back the blocks that its next token can no longer see (`free_out_of_window`), so
+    that one longer than the window holds about window / block_size blocks. None (a layer sees everything, as a
+    global layer among Gemma 3's windowed ones does): every block is kept."""
 
     def __init__(
         self,
@@ -50,6 +60,7 @@ class KVCacheManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         hash_fn: HashFn = hash_block_tokens,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0 or num_gpu_blocks <= 0 or num_cpu_blocks < 0:
             raise ValueError(f"bad cache sizes: {block_size=} {num_gpu_blocks=} {num_cpu_blocks=}")
@@ -60,6 +71,9 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         if not 0 <= self.watermark_blocks < num_gpu_blocks:
             raise ValueError(f"watermark {watermark} leaves no usable block out of {num_gpu_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"bad sliding window {sliding_window}")
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks)
@@ -143,7 +157,7 @@ class KVCacheManager:
         for seq_id, table in self._tables.items():
             holders = cpu if seq_id in self._on_cpu else gpu
             request_id = request_ids[seq_id]
-            for block_id in table:
+            for block_id in _held(table):
                 held = holders.get(block_id, ())
                 # The sequences of one request share blocks (fork): name the request once.
                 if request_id not in held:
@@ -183,7 +197,7 @@ class KVCacheManager:
             return  # a parent without blocks (still waiting): nothing to share yet
         table = self._tables[parent_seq_id]
         pool = self.cpu_pool if parent_seq_id in self._on_cpu else self.gpu_pool
-        for block_id in table:
+        for block_id in _held(table):
             pool.incref(block_id)
         self._tables[child_seq_id] = list(table)
         if parent_seq_id in self._on_cpu:
@@ -199,12 +213,28 @@ class KVCacheManager:
         pool = self.cpu_pool if seq_id in self._on_cpu else self.gpu_pool
         self._on_cpu.discard(seq_id)
         # Last block first: with prefix caching the tail of a chain is then evicted before its head.
-        for block_id in reversed(table or ()):
+        for block_id in reversed(_held(table or [])):
             pool.free(block_id)
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Under a sliding window, release the blocks whose positions all lie before the window of the
+        sequence's next token (below num_computed_tokens - window + 1), leaving NULL_BLOCK in their entries.
+        With prefix caching, only blocks already cached: the blocks after them chain to their hashes."""
+        table = self._tables.get(seq.seq_id)
+        if self.sliding_window is None or not table or seq.seq_id in self._on_cpu:
+            return
+        end = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, len(self._block_hashes.get(seq.seq_id, ())))
+        for i in reversed(range(min(end, len(table)))):
+            if table[i] == NULL_BLOCK:
+                break
+            self.gpu_pool.free(table[i])
+            table[i] = NULL_BLOCK
 
     # ---- swapping ------------------------------------------------------------------------------------
     def _group_blocks(self, group: SequenceGroup) -> set[int]:
-        return {b for s in group.unfinished_seqs() for b in self._tables.get(s.seq_id, ())}
+        return {b for s in group.unfinished_seqs() for b in _held(self._tables.get(s.seq_id, []))}
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         """Whether the CPU pool has room for every distinct block of the group."""
@@ -233,22 +263,25 @@ class KVCacheManager:
         mapping: dict[int, int] = {}
         for seq in seqs:
             table = self._tables[seq.seq_id]
-            new_table = []
-            for block_id in table:
+            new_table = [NULL_BLOCK] * (len(table) - len(_held(table)))
+            for block_id in _held(table):
                 if block_id in mapping:
                     dst.incref(mapping[block_id])
                 else:
                     mapping[block_id] = dst.allocate()
                 new_table.append(mapping[block_id])
-            for block_id in reversed(table):
+            for block_id in reversed(_held(table)):
                 src.free(block_id)
             self._tables[seq.seq_id] = new_table
             if to_cpu:
                 self._on_cpu.add(seq.seq_id)
             else:
                 self._on_cpu.discard(seq.seq_id)
-                # The GPU copies are new blocks: let cache_block register them again if their hashes are free.
-                self._block_hashes.pop(seq.seq_id, None)
+                # The GPU copies are new blocks: let cache_block register them again if their hashes are free
+                # (those of released blocks stay: the blocks after them chain to them).
+                released = len(table) - len(_held(table))
+                if seq.seq_id in self._block_hashes:
+                    del self._block_hashes[seq.seq_id][released:]
         return list(mapping.items())
 
     # ---- prefix caching ------------------------------------------------------------------------------
@@ -329,9 +362,13 @@ class KVCacheManager:
         gpu_refs: dict[int, int] = {}
         cpu_refs: dict[int, int] = {}
         for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice"
+            held = _held(table)
+            assert len(set(held)) == len(held), f"seq {seq_id} holds a block twice"
+            assert NULL_BLOCK not in held and (self.sliding_window or len(held) == len(table)), (
+                f"seq {seq_id}: released entries past its first block, or without a window"
+            )
             refs = cpu_refs if seq_id in self._on_cpu else gpu_refs
-            for block_id in table:
+            for block_id in held:
                 refs[block_id] = refs.get(block_id, 0) + 1
             hashes = self._block_hashes.get(seq_id, [])
             assert len(hashes) <= len(table), f"seq {seq_id} has hashes for blocks it does not hold"
@@ -347,3 +384,11 @@ class KVCacheManager:
         for block in self.gpu_pool.blocks:
             if block.token_ids is not None:
                 assert len(block.token_ids) == self.block_size, f"cached block {block.block_id} is not full"
+
+
+def _held(table: list[int]) -> list[int]:
+    """The blocks a table holds: its entries after the released (NULL_BLOCK) prefix."""
+    i = 0
+    while i < len(table) and table[i] == NULL_BLOCK:
+        i += 1
+    return table[i:]

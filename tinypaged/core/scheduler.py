@@ -249,7 +249,8 @@ class Scheduler:
         )
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled sequence past the tokens just computed; cache its newly full blocks."""
+        """Advance each scheduled sequence past the tokens just computed; cache its newly full blocks and give
+        back those its window has passed."""
         for s in out.scheduled:
             entry = self._seqs.get(s.seq_id)
             if entry is None:
@@ -259,6 +260,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_block(seq)
+            self.kv.free_out_of_window(seq)
 
     # ---- phases --------------------------------------------------------------------------------------
     def _schedule_running(self, st: _Step) -> None:
@@ -357,6 +359,7 @@ class Scheduler:
             for seq in seqs:
                 self.kv.take_prefix(seq, hits[seq.seq_id])
                 seq.num_computed_tokens = hits[seq.seq_id].num_tokens
+                self.kv.free_out_of_window(seq)  # a hit longer than the window: its head goes back, cached
             copies = self.kv.allocate_group_slots(items)
             assert copies is not None, "admission checked the blocks this chunk needs"
             self._num_admissions += 1

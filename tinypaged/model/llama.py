@@ -1,4 +1,8 @@
-"""The Llama family (Llama 2/3/3.1, Mistral, SmolLM, TinyLlama) as plain torch modules over a paged KV cache."""
+"""The Llama family (Llama 2/3/3.1, SmolLM, TinyLlama) and its near relatives as plain torch modules over a
+paged KV cache. The relatives are switches read from the config: Mistral (a sliding window), Qwen2/2.5 (biases
+on q, k and v), Qwen3 (an RMSNorm over each head of q and k) and Gemma 3 (q/k norms too, windowed layers
+interleaved with global ones, each kind with its own rotary base, norms around both blocks scaling by 1 + w
+(folded into the weights at load), a GELU-tanh gate and an embedding scaled by sqrt(hidden_size))."""
 
 from __future__ import annotations
 
@@ -34,12 +38,17 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
 
 
-def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
-    """`[max_positions, head_dim]` fp32: cos then sin of each position's rotation angles (Llama 3 scaling too)."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+def rope_cos_sin_cache(
+    dim: int, theta: float, scaling: dict | None, max_positions: int, device: torch.device
+) -> torch.Tensor:
+    """`[max_positions, dim]` fp32: cos then sin of each position's rotation angles (Llama 3 and linear scaling
+    too)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":  # positions divided by `factor`
+        inv_freq = inv_freq / scaling["factor"]
+    if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_ctx = scaling.get("original_max_position_embeddings", 8192)
@@ -53,11 +62,14 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int, device: torch.devic
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add; with `fp8` set, its output comes quantized per token (for
-    an FP8 layer that reads it: the quantization fused into the norm)."""
+    an FP8 layer that reads it: the quantization fused into the norm). `offset` (Gemma's norms scale by 1 + w):
+    the loader adds 1 to the weight, kept in float32 so that 1 + w is not rounded to the model's dtype."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
+        self.weight.keep_dtype = offset  # type: ignore[attr-defined]
+        self.offset = offset
         self.eps = eps
         self.fp8 = False
 
@@ -78,13 +90,17 @@ def linear(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there.
+    """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there
+    (the last `window` positions of it, where the layer has a sliding window).
 
     Under tensor parallelism a rank holds its share of the heads; o_proj leaves partial sums, added by one
     all-reduce (its bias, where the model has one, on rank 0 alone so that it is added once)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str, window: int | None
+    ) -> None:
         super().__init__()
+        self.window = window
         kv_start, kv_end = tp.kv_heads(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_end - kv_start
         self.head_dim = cfg.head_dim
@@ -92,10 +108,16 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one matmul; the loader fills the three row ranges.
         parts = (self.q_size, self.kv_size, self.kv_size)
-        self.qkv_proj = linear(quant, f"{prefix}.q_proj", cfg.hidden_size, parts, cfg.attention_bias)
+        bias = cfg.qkv_bias or cfg.attention_bias
+        self.qkv_proj = linear(quant, f"{prefix}.q_proj", cfg.hidden_size, parts, bias)
         o_bias = cfg.attention_bias and tp.rank == 0
         self.o_proj = linear(quant, f"{prefix}.o_proj", self.q_size, (cfg.hidden_size,), o_bias)
-        self.scale = self.head_dim**-0.5
+        if cfg.qk_norm:
+            offset = cfg.family == "gemma3"
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset)
+        self.qk_norm = cfg.qk_norm
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
         # An FP8 KV cache's scales (stored = fp8(x / scale), read = stored * scale): plain floats, fixed once the
         # runner has set them (the checkpoint's, or calibrated), so that CUDA graphs capture them as they are.
         self.k_scale = 1.0
@@ -112,6 +134,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -127,15 +152,16 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
+            window=self.window,
             **scales,
         )
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused; a rank holds its share of the inner
-    columns, and down_proj's partial sums are added by one all-reduce. For an FP8 down_proj that reads its
-    input per token, the SwiGLU quantizes its output."""
+    """SwiGLU feed-forward (GELU-tanh gated for Gemma) with the gate and up projections fused; a rank holds its
+    share of the inner columns, and down_proj's partial sums are added by one all-reduce. For an FP8 down_proj
+    that reads its input per token, the SwiGLU quantizes its output."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
         super().__init__()
@@ -143,10 +169,14 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(quant, f"{prefix}.gate_proj", cfg.hidden_size, (inner, inner), False)
         self.down_proj = linear(quant, f"{prefix}.down_proj", inner, (cfg.hidden_size,), False)
         self.fp8 = self.down_proj.method.fp8_input
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.tp = tp
 
     def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:
         h = self.gate_up_proj(x)
+        if self.gelu:
+            h = ops.gelu_tanh_and_mul(h)
+            return self.tp.all_reduce(self.down_proj(fp8.per_token(h) if self.fp8 else h))
         return self.tp.all_reduce(self.down_proj(fp8.silu_and_mul(h) if self.fp8 else ops.silu_and_mul(h)))
 
 
@@ -170,18 +200,26 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. `prefix` is the layer's
-    checkpoint name (`model.layers.3`), by which `quant` says how its linear layers run."""
+    """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. Gemma ("sandwich")
+    also normalises each block's output before it is added, and the MLP's input after. Layer `index`'s
+    checkpoint name (`model.layers.3`) is how `quant` says its linear layers run."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: Quantization | None, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        prefix = f"model.layers.{index}"
+        self.sandwich = cfg.family == "gemma3"
+        size, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, self.sandwich
+        self.input_layernorm = RMSNorm(size, eps, offset)
+        self.self_attn = Attention(cfg, tp, quant, f"{prefix}.self_attn", cfg.window(index))
+        self.post_attention_layernorm = RMSNorm(size, eps, offset)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, offset)
         self.mlp = MLP(cfg, tp, quant, f"{prefix}.mlp")
         # Each norm quantizes its output where the layer reading it is FP8 per token.
         self.input_layernorm.fp8 = self.self_attn.qkv_proj.method.fp8_input
-        self.post_attention_layernorm.fp8 = self.mlp.gate_up_proj.method.fp8_input
+        mlp_norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+        mlp_norm.fp8 = self.mlp.gate_up_proj.method.fp8_input
 
     def forward(
         self,
@@ -198,6 +236,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, kv_layer, meta, cos_sin_cache)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -219,18 +260,36 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant, f"model.layers.{i}") for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, quant, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family == "gemma3")
         rows = tp.vocab(cfg.vocab_size)[2]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
         self.max_positions = max_positions
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        # Gemma 3's windowed layers' own rotary table (the others' is cos_sin_cache); None: one table for all.
+        self.local_layers: set[int] = set()
+        if cfg.local_rope_theta is not None:
+            self.local_layers = {i for i in range(cfg.num_layers) if cfg.window(i) is not None}
+        self.register_buffer("cos_sin_local", None, persistent=False)
+        self.embed_scale = 1.0  # Gemma: sqrt(hidden_size), rounded to the model's dtype (init_rope)
 
     def init_rope(self) -> None:
-        """Fill the rotary table on the model's device (after the weights are loaded there)."""
-        self.cos_sin_cache = rope_cos_sin_cache(self.cfg, self.max_positions, self.embed_tokens.weight.device)
+        """Fill the rotary tables on the model's device (after the weights are loaded there); for Gemma, round
+        the embedding scale to the weights' dtype, as HF does."""
+        cfg, weight = self.cfg, self.embed_tokens.weight
+        args = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_positions, weight.device)
+        self.cos_sin_cache = rope_cos_sin_cache(*args)
+        if cfg.local_rope_theta is not None:
+            self.cos_sin_local = rope_cos_sin_cache(cfg.head_dim, cfg.local_rope_theta, None, *args[3:])
+        if cfg.family == "gemma3":
+            self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=weight.dtype).item()
+
+    def fold_norm_offsets(self) -> None:
+        """Gemma's checkpoints store w of norms that scale by 1 + w: add the 1, once, after loading."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, RMSNorm) and m.offset:
+                    m.weight += 1.0
 
     def forward(
         self,
@@ -240,9 +299,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_cache[i], meta, self.cos_sin_cache)
+            rope = self.cos_sin_local if i in self.local_layers else self.cos_sin_cache
+            x, residual = layer(x, residual, positions, kv_cache[i], meta, rope)
         x, _ = self.norm(x, residual)
         return x
 
@@ -254,4 +316,7 @@ class LlamaForCausalLM(nn.Module):
         logits = ops.linear(hidden, weight)
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
+        if self.cfg.final_logit_softcapping:
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         return logits

@@ -138,6 +138,7 @@ def load_model(
         )
     for layer in linears.values():
         layer.method.finish(layer)
+    model.fold_norm_offsets()
     model.init_rope()
     return model.eval()
 
@@ -248,12 +249,15 @@ def _checkpoint_names(cfg: ModelConfig, linears: dict[str, Linear]) -> list[str]
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    ]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if cfg.family == "gemma3":
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if cfg.qkv_bias or cfg.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if cfg.attention_bias:
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
+        per_layer.append("self_attn.o_proj.bias")
     for i in range(cfg.num_layers):
         names += [f"model.layers.{i}.{n}" for n in per_layer]
         for module in LAYER_LINEARS:

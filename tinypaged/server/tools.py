@@ -6,11 +6,13 @@ and the parsing of its calls out of the generated text, as it streams.
 - `"required"`: the output is a JSON array of `{"name": ..., "parameters": {...}}`, each element constrained
   by its function's schema (at most one element when `parallel_tool_calls` is false); a call is sent as soon
   as its element is complete.
-- `"auto"` (the default when tools are given): the model writes what it wants; calls in the two formats
-  open-weight models are trained on are found in it: Hermes' `<tool_call>{"name": ..., "arguments": ...}
-  </tool_call>` blocks (the text around them is content), or a Llama 3.x reply that is nothing but JSON calls,
-  `{"name": ..., "parameters": ...}` (several separated by `;`). Text that may still turn into a call is held
-  back from the stream until it is known.
+- `"auto"` (the default when tools are given): the model writes what it wants; calls in the formats open-weight
+  models are trained on are found in it: Hermes' `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+  blocks (Qwen's; the text around them is content), a Llama 3.x reply that is nothing but JSON calls,
+  `{"name": ..., "parameters": ...}` (several separated by `;`), or a Mistral reply of calls after
+  `[TOOL_CALLS]`: a JSON array of `{"name": ..., "arguments": ...}` (tokenizer v3; the array alone where the
+  marker, a special token, was skipped in decoding) or `name[ARGS]{...}` each (v11). Text that may still turn
+  into a call is held back from the stream until it is known.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tinypaged.server.errors import APIError
 from tinypaged.server.messages import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _decoder = json.JSONDecoder()
 
 
@@ -135,6 +138,10 @@ class CallParser:
                 return "", []  # nothing but whitespace yet: content or a call, it is too early to say
             if opening.startswith("{"):
                 return self._llama_json(final)
+            if opening.startswith((MISTRAL_CALLS, "[{")):
+                return self._mistral(final)
+            if not final and MISTRAL_CALLS.startswith(opening):
+                return "", []  # "[", "[TOOL": a Mistral call may be forming
         content, calls = "", []
         while True:
             rest = self.text[self.pos :]
@@ -186,6 +193,40 @@ class CallParser:
         self.calls += calls
         return "", calls
 
+    def _mistral(self, final: bool) -> tuple[str, list[Call]]:
+        """A reply that opens with `[TOOL_CALLS]` (or a JSON array) is held until the end, then read as calls:
+        each part after a marker is a JSON array of calls or `name[ARGS]{...}`; if any is not, all is content."""
+        if not final:
+            return "", []
+        rest = self.text[self.pos :]
+        self.pos = len(self.text)
+        calls = []
+        for part in rest.strip().split(MISTRAL_CALLS):
+            part = part.strip()
+            if not part:
+                continue
+            if part.startswith("["):
+                try:  # the model's text: JSON nested past Python's stack is no call either
+                    items = json.loads(part)
+                except (ValueError, RecursionError):
+                    return rest, []
+                found = [_call_of(json.dumps(x)) for x in items] if isinstance(items, list) else [None]
+            else:
+                name, sep, args = part.partition(MISTRAL_ARGS)
+                ok = sep and _is_json(args)
+                found = (
+                    [_call_of(json.dumps({"name": name.strip(), "arguments": args.strip()}))]
+                    if ok
+                    else [None]
+                )
+            if None in found:
+                return rest, []
+            calls += found
+        if not calls:
+            return rest, []
+        self.calls += calls
+        return "", calls
+
     def _json_array(self, final: bool) -> list[Call]:
         """ "required": the elements of the constrained array, each sent once complete."""
         calls = []
@@ -220,6 +261,14 @@ def _call_of(text: str) -> Call | None:
         return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
     except (ValueError, RecursionError):
         return None
+
+
+def _is_json(text: str) -> bool:
+    try:  # the model's text: JSON nested past Python's stack is not JSON here
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _split_json(text: str) -> list[str]:

