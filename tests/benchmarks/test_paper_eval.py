@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import paper_plots
 import pytest
 from paper_eval import engine_args, parse_args, policy_supported, run, sustained, table
 
@@ -36,6 +37,9 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         assert row["shared"]["peak_blocks"] <= row["independent"]["peak_blocks"]
         assert row["shared"]["block_steps"] <= row["independent"]["block_steps"]
     assert "sharing (Alpaca shape)" in table(res)
+    paper_plots.main([str(out), "--out", str(tmp_path / "img")])
+    drawn = {p.name for p in (tmp_path / "img").iterdir()}
+    assert drawn == {f"paper_{n}.png" for n in ("latency_vs_rate", "batch_kv_over_time", "sharing")}
 
 
 def test_engine_args_carry_the_policy_and_capacity() -> None:
