@@ -68,6 +68,11 @@ LLAMA_13B_MHA = {
     "num_key_value_heads": 40,
     "head_dim": 128,
     "vocab_size": 32000,
+    "bos_token_id": 31998,  # inside the vocabulary (the 8B preset's ids are not), past the byte tokens
+    "eos_token_id": 31999,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 4096,
 }
 
 

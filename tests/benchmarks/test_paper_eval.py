@@ -10,7 +10,7 @@ from pathlib import Path
 
 import paper_plots
 import pytest
-from paper_eval import engine_args, parse_args, policy_supported, run, sustained, table
+from paper_eval import LLAMA_13B_MHA, engine_args, parse_args, policy_supported, run, sustained, table
 
 
 def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
@@ -60,3 +60,12 @@ def test_sustained_rate_under_the_bound() -> None:
     assert sustained(runs, 0.04, 2.0)["max_rate"] == 4
     assert sustained([r(1, 0.01), r(2, 0.011, errors=1)], None, 2.0)["max_rate"] == 1
     assert sustained([r(math.inf, 0.1)], None, 2.0)["max_rate"] is None
+
+
+def test_the_13b_shape_is_multi_head_with_ids_in_its_vocabulary() -> None:
+    shape = LLAMA_13B_MHA
+    assert shape["num_attention_heads"] == shape["num_key_value_heads"] == 40
+    assert (
+        256 <= shape["bos_token_id"] < shape["vocab_size"]
+        and 256 <= shape["eos_token_id"] < shape["vocab_size"]
+    )
