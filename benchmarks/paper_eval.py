@@ -102,11 +102,15 @@ def engine_args(args: argparse.Namespace, policy: str, block_size: int | None = 
     return kw
 
 
-def load_workload(args: argparse.Namespace, name: str, n: int, seed: int, encode: Any = None) -> Workload:
-    """`n` requests of the `name` shape: from the dataset file given for it, or from the paper's fit."""
+def load_workload(args: argparse.Namespace, name: str, n: int, seed: int, llm: LLM) -> Workload:
+    """`n` requests of the `name` shape: from the dataset file given for it (its texts counted in the model's
+    tokens, no special tokens added), or from the paper's fit."""
     path = getattr(args, f"{name}_file")
     if path:
-        return file_workload(name, path, encode, n, seed, args.max_model_len)
+        tok = llm.get_tokenizer()
+        return file_workload(
+            name, path, lambda text: tok.encode(text, add_special_tokens=False), n, seed, args.max_model_len
+        )
     return paper_workload(name, n, seed, args.max_model_len, args.scale)
 
 
@@ -215,7 +219,7 @@ def sustained(runs: list[dict[str, Any]], bound: float | None, factor: float) ->
 def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One workload shape over its rates on one engine: the all-at-once run first (its throughput sets the
     rates when none are given), then each rate; the sustained rate under the bound."""
-    work = load_workload(args, name, args.num_requests, args.seed, llm.get_tokenizer().encode)
+    work = load_workload(args, name, args.num_requests, args.seed, llm)
     saturated = serve(llm, work, math.inf, args.seed, f"{name}-inf")
     rates = getattr(args, f"{name}_rates") or [
         round(f * saturated["throughput_req_s"], 3) for f in RATE_FRACTIONS
@@ -256,7 +260,7 @@ def run_sharing_section(args: argparse.Namespace) -> dict[str, Any]:
     kw["max_num_seqs"] = max(args.max_num_seqs, args.sharing_requests * max(widths))
     llm = LLM(**kw)
     try:
-        work = load_workload(args, "alpaca", args.sharing_requests, args.seed, llm.get_tokenizer().encode)
+        work = load_workload(args, "alpaca", args.sharing_requests, args.seed, llm)
         rng = np.random.default_rng(args.seed)
         vocab = llm.config.model_config.vocab_size
         prompts = [rng.integers(0, vocab, p).tolist() for p in work.prompt_lens]
@@ -316,7 +320,7 @@ def run_block_sizes(args: argparse.Namespace) -> dict[str, Any]:
         try:
             row = {}
             for name in args.workloads:
-                work = load_workload(args, name, args.num_requests, args.seed, llm.get_tokenizer().encode)
+                work = load_workload(args, name, args.num_requests, args.seed, llm)
                 rate = getattr(args, f"{name}_block_rate") or math.inf
                 row[name] = {
                     k: v

@@ -1,6 +1,7 @@
-"""The paper's evaluation driver (benchmarks/paper_eval.py) end to end on the default model at a tiny scale:
-requests served under arrivals with their latencies and the engine's step statistics, the sharing comparison,
-and the policies the engine does not have yet recorded as such; the pure pieces on made-up numbers."""
+"""The paper's evaluation driver (benchmarks/paper_eval.py) end to end on the default model at a tiny scale,
+with lengths from a tiny Alpaca file: requests served under arrivals with their latencies and the engine's step
+statistics, the sharing comparison, the figures, and the policies the engine does not have yet recorded as
+such; the pure pieces on made-up numbers."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from paper_eval import LLAMA_13B_MHA, engine_args, parse_args, policy_supported,
 
 def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "paper.json"
+    alpaca = tmp_path / "alpaca.json"  # short outputs: few steps
+    items = [("Name a colour.", "", "Blue."), ("Translate to French:", "good morning", "Bonjour.")]
+    alpaca.write_text(json.dumps([{"instruction": i, "input": x, "output": o} for i, x, o in items]))
     args = parse_args(
         ["--smoke", "--model", str(model_dir), "--sections", "rates", "sharing", "--workloads", "alpaca"]
         + ["--alpaca-rates", "40", "--policies", "paged", "orca-oracle", "--json", str(out)]
+        + ["--alpaca-file", str(alpaca)]
     )
     args.num_requests, args.sharing_requests = 3, 2
     res = run(args)
@@ -32,6 +37,7 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     assert len(r["series"]["t_s"]) == len(r["series"]["kv_usage"]) > 0
     assert sweep["sustained"]["max_rate"] == 40  # one rate: the bound is twice its own latency
     assert "not an engine option" in res["rates"]["orca-oracle"]["error"] or policy_supported("orca-oracle")
+    assert res["sharing"]["workload"]["source"].endswith("alpaca.json")  # lengths from the file
     for kind in ("parallel_sampling_2", "beam_search_2"):
         row = res["sharing"][kind]
         assert row["shared"]["peak_blocks"] <= row["independent"]["peak_blocks"]
