@@ -37,7 +37,7 @@ def sdpa_contiguous(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> Any:
     """SDPA of one decode token per sequence over a contiguous `[B, Hkv, L, D]` cache with a `[B, 1, 1, L]`
-    length mask, as a closure returning `[B, Hq, D]`: the G query heads of a KV head are G query rows of it
+    additive length mask, as a closure returning `[B, Hq, D]`: the G query heads of a KV head are G query rows of it
     (query head h reads KV head h // G), so any SDPA backend takes it and the cache is read once per KV head."""
     b, hq, d = q.shape
     rows = q.view(b, k.shape[1], hq // k.shape[1], d)
@@ -72,9 +72,13 @@ def one_shape(
     }
     batch16 = kb.paged_batch([1] * batch, ctx, hq, hkv, d, 16, seed=seed)
     q, kv, bt, seq_lens, _ = batch16
-    k, v = (t.transpose(1, 2).contiguous() for t in ops.gather_context(kv, bt, max_len))  # [B, Hkv, L, D]
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    mask = (torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    # The contiguous cache spans whole 16-token blocks (its rows stay 16-aligned, as SDPA's fused kernels want),
+    # with an additive mask made once, in the query's dtype (SDPA converts a boolean one at every call).
+    padded = bt.shape[1] * 16
+    k, v = (t.transpose(1, 2).contiguous().to(q.dtype) for t in ops.gather_context(kv, bt, padded))
+    valid = torch.arange(padded, device=q.device)[None, :] < seq_lens[:, None]
+    mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill(~valid, float("-inf"))
+    mask = mask[:, None, None, :]
     sdpa = sdpa_contiguous(q, k, v, mask, scale)
     want = sdpa()
     paged = paged_call(batch16, scale, max_len)
