@@ -112,9 +112,10 @@ def block_size(res: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel == "block_sizes":
-            sizes = [int(b) for b in res["block_sizes"]]
-            for name in next(iter(res["block_sizes"].values())):
-                ys = [1e3 * res["block_sizes"][str(b)][name]["mean_norm_latency_s"] for b in sizes]
+            ran = {b: row for b, row in res["block_sizes"].items() if "error" not in row}
+            sizes = [int(b) for b in ran]
+            for name in next(iter(ran.values())):
+                ys = [1e3 * ran[str(b)][name]["mean_norm_latency_s"] for b in sizes]
                 ax.plot(sizes, ys, "o-", label=name)
             ax.set(ylabel="normalized latency (ms/token)", title="end to end")
         else:

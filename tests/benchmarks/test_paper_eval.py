@@ -20,7 +20,8 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     items = [("Name a colour.", "", "Blue."), ("Translate to French:", "good morning", "Bonjour.")]
     alpaca.write_text(json.dumps([{"instruction": i, "input": x, "output": o} for i, x, o in items]))
     args = parse_args(
-        ["--smoke", "--model", str(model_dir), "--sections", "rates", "sharing", "--workloads", "alpaca"]
+        ["--smoke", "--model", str(model_dir), "--sections", "rates", "sharing", "block_sizes"]
+        + ["--workloads", "alpaca", "--block-sizes", "16", "256"]
         + ["--alpaca-rates", "40", "--policies", "paged", "orca-oracle", "--json", str(out)]
         + ["--alpaca-file", str(alpaca)]
     )
@@ -43,9 +44,13 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         assert row["shared"]["peak_blocks"] <= row["independent"]["peak_blocks"]
         assert row["shared"]["block_steps"] <= row["independent"]["block_steps"]
     assert "sharing (Alpaca shape)" in table(res)
+    assert res["block_sizes"]["16"]["alpaca"]["completed"] == 3
+    assert "block_size" in res["block_sizes"]["256"]["error"]  # the engine refuses it; the sweep goes on
     paper_plots.main([str(out), "--out", str(tmp_path / "img")])
     drawn = {p.name for p in (tmp_path / "img").iterdir()}
-    assert drawn == {f"paper_{n}.png" for n in ("latency_vs_rate", "batch_kv_over_time", "sharing")}
+    assert drawn == {
+        f"paper_{n}.png" for n in ("latency_vs_rate", "batch_kv_over_time", "sharing", "block_size")
+    }
 
 
 def test_engine_args_carry_the_policy_and_capacity() -> None:
