@@ -11,9 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from test_kernel_compiles import compile_bitmask_kernel
 
 from tinypaged import compile_cache
 from tinypaged.kernels.bitmask import _apply_bitmask_kernel
@@ -27,17 +25,7 @@ def cache_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def _compile() -> None:
-    signature = {
-        "logits_ptr": "*fp32",
-        "stride": "i64",
-        "bitmask_ptr": "*i32",
-        "mask_stride": "i64",
-        "rows_ptr": "*i32",
-        "vocab": "i32",
-        "BLOCK": "constexpr",
-    }
-    src = ASTSource(fn=_apply_bitmask_kernel, signature=signature, constexprs={"BLOCK": 4096})
-    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
+    assert "cubin" in compile_bitmask_kernel().asm
 
 
 def test_the_cache_lives_under_the_model_cache(cache_env: Path) -> None:

@@ -37,7 +37,8 @@ def test_sampling_kernel_compiles_for_hopper() -> None:
     assert "cubin" in kernel.asm
 
 
-def test_bitmask_kernel_compiles_for_hopper() -> None:
+def compile_bitmask_kernel() -> Any:
+    """The token-bitmask kernel compiled for sm_90 (no GPU needed); tests/test_compile_cache.py compiles it too."""
     signature = {
         "logits_ptr": "*fp32",
         "stride": "i64",
@@ -48,8 +49,11 @@ def test_bitmask_kernel_compiles_for_hopper() -> None:
         "BLOCK": "constexpr",
     }
     src = ASTSource(fn=_apply_bitmask_kernel, signature=signature, constexprs={"BLOCK": 4096})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "cubin" in kernel.asm
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def test_bitmask_kernel_compiles_for_hopper() -> None:
+    assert "cubin" in compile_bitmask_kernel().asm
 
 
 def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
