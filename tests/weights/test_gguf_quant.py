@@ -242,3 +242,30 @@ def test_corrupt_gguf_is_one_clear_error_and_writes_nothing(tmp_path: Path, how:
         with pytest.raises(WeightsError):
             fetch.resolve_model(bad)
     assert not list((home / "models" / "gguf").iterdir())  # no model directory, half-written or not
+
+
+def test_gguf_scheme_resolution_refuses_in_one_line() -> None:
+    from tinypaged.errors import ConfigError
+    from tinypaged.quantization import GGUF_TYPES, resolve_quantization
+
+    layers = {f"model.layers.0.{m}": "Q5_0" for m in ("self_attn.q_proj", "self_attn.k_proj")}
+    raw = {"quant_method": "gguf", "layers": layers | {"model.layers.0.self_attn.v_proj": "Q8_0"}}
+    quant = resolve_quantization(raw, "gguf", "m", 1, False)  # Q5_0 and Q8_0: one scheme, one matmul
+    assert quant is not None and str(quant.scheme("model.layers.0.self_attn.v_proj")).startswith("int8")
+    with pytest.raises(ConfigError, match="quantized differently"):
+        resolve_quantization(
+            raw | {"layers": layers | {"model.layers.0.self_attn.v_proj": "Q6_K"}}, None, "m", 1, False
+        )
+    with pytest.raises(ConfigError, match="layer model.layers.0.self_attn.q_proj is GGUF type 'Q2_K'"):
+        resolve_quantization(
+            {"quant_method": "gguf", "layers": {"model.layers.0.self_attn.q_proj": "Q2_K"}},
+            None,
+            "m",
+            1,
+            False,
+        )
+    with pytest.raises(ConfigError, match="pass the .gguf file as the model"):
+        resolve_quantization(None, "gguf", "m", 1, False)
+    for kind, (bits, group, mins) in GGUF_TYPES.items():  # the resolver's table is the repacking's
+        w = repack("w", kind, _blocks(kind, 4, 256, np.random.default_rng(4)), 4, 256)
+        assert (w.bits, w.group, w.mins is not None) == (bits, group, mins), kind
