@@ -96,12 +96,18 @@ def dequantize_weight(w: IntWeight) -> torch.Tensor:
     """The weight `[N, K]` in float32: `(code - zero) * scale (+ min)`, each step rounded to float32 as GGUF's
     own dequantization rounds it (separate ops: never a fused multiply-add)."""
     codes = unpack(w.qweight, w.bits).float()
+    n, k = codes.shape
+    codes = codes.view(n, k // w.group, w.group)  # per-group values broadcast over their group's columns
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.t().float()[..., None]
+
     if w.zeros is not None:
-        codes = codes - expand_groups(w.zeros.float(), w.group)
+        codes = codes - per_group(w.zeros)
     elif w.mins is None:
         codes = codes - float(1 << (w.bits - 1))
-    weight = codes * expand_groups(w.scales.float(), w.group)
-    return weight if w.mins is None else weight + expand_groups(w.mins.float(), w.group)
+    weight = codes * per_group(w.scales)
+    return (weight if w.mins is None else weight + per_group(w.mins)).view(n, k)
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> IntWeight:
