@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from .errors import WeightsError
-from .gguf_quant import repack
 from .gguf_tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, build_tokenizer
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -204,6 +203,8 @@ def _hf_tensors(
     decoder linear layer's GGUF blocks) repacked as `<layer>.qweight`, `.scales` (and `.mins`); and the GGUF
     type of each layer kept quantized."""
     import gguf
+
+    from .gguf_quant import repack  # imports torch: not at `tinypaged --help`
 
     tensors: dict[str, np.ndarray] = {}
     kinds: dict[str, str] = {}
