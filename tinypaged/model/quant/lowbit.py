@@ -3,7 +3,11 @@ reference every kernel is tested against, and the dispatch of a layer to its ker
 
 The layout is kernels/lowbit.py's (its docstring): codes unsigned, `32 / bits` a word along each weight row
 (`qweight` int32 `[N, K * bits / 32]`), float32 `scales` `[K / group, N]`, uint8 `zeros` `[K / group, N]` or
-none (symmetric: the zero point is 2^(bits - 1)); a weight is `(code - zero) * scale` in float32. Every
+none (symmetric: the zero point is 2^(bits - 1)); a weight is `(code - zero) * scale` in float32. GGUF's
+"type-1" blocks (Q4_1, Q5_1, Q4_K, Q5_K: `q * d + m`) add float32 `mins` `[K / group, N]`: a weight is then
+`(code - zero) * scale + min`, the zero point 0 unless given (weights/gguf_quant.py; no (zero, scale) pair
+gives `q * d + m` exactly in float32). Groups of 16 (Q6_K) and mins run the reference on every device until the
+kernels take them. Every
 checkpoint format is repacked into it at load (`IntLinearMethod` in model/quant/linear.py, with the
 converters below), losslessly: unpacking gives the
 checkpoint's own codes, zero points and scales.
@@ -31,13 +35,14 @@ GEMM_ROWS = 64
 
 class IntWeight(NamedTuple):
     """A weight as the kernels take it: packed codes, float32 scales, zero points (None: symmetric), the bits
-    of a code (4 or 8) and the columns of a group."""
+    of a code (4 or 8), the columns of a group and GGUF's float32 per-group offsets (None: none)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
     bits: int
     group: int
+    mins: torch.Tensor | None = None
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -88,10 +93,21 @@ def expand_groups(t: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def dequantize_weight(w: IntWeight) -> torch.Tensor:
-    """The weight `[N, K]` in float32: `(code - zero) * scale`."""
+    """The weight `[N, K]` in float32: `(code - zero) * scale (+ min)`, each step rounded to float32 as GGUF's
+    own dequantization rounds it (separate ops: never a fused multiply-add)."""
     codes = unpack(w.qweight, w.bits).float()
-    zero = float(1 << (w.bits - 1)) if w.zeros is None else expand_groups(w.zeros.float(), w.group)
-    return (codes - zero) * expand_groups(w.scales.float(), w.group)
+    n, k = codes.shape
+    codes = codes.view(n, k // w.group, w.group)  # per-group values broadcast over their group's columns
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.t().float()[..., None]
+
+    if w.zeros is not None:
+        codes = codes - per_group(w.zeros)
+    elif w.mins is None:
+        codes = codes - float(1 << (w.bits - 1))
+    weight = codes * per_group(w.scales)
+    return (weight if w.mins is None else weight + per_group(w.mins)).view(n, k)
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> IntWeight:
@@ -134,7 +150,7 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not ops.uses_triton(x2) or m == 0:
+    if not ops.uses_triton(x2) or m == 0 or w.mins is not None or w.group % 32:
         return ref_wint_linear(x, w, bias)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
