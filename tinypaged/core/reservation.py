@@ -273,3 +273,25 @@ class ReservingKVCacheManager(KVCacheManager):
         assert not self._on_cpu, "swapped under an Orca policy"
         self.gpu_pool.check_integrity(refs)
         self.cpu_pool.check_integrity({})
+
+
+def make_kv_cache_manager(
+    policy: str,
+    block_size: int,
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    max_model_len: int,
+    enable_prefix_caching: bool,
+    sliding_window: int | None,
+) -> KVCacheManager:
+    """The KV cache manager of a reservation policy: paged, or reserving under an Orca policy (which ignores
+    prefix caching and the sliding window: an extent is held whole until its sequence ends)."""
+    if policy == "paged":
+        return KVCacheManager(
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=sliding_window,
+        )
+    return ReservingKVCacheManager(policy, max_model_len, block_size, num_gpu_blocks, num_cpu_blocks)
