@@ -73,3 +73,13 @@ def test_bad_policy_and_too_large_request(model_dir: Path) -> None:
     llm = LLM(model=model_dir, kv_reservation="orca-max", **(SMALL | {"num_gpu_blocks_override": 8}))
     out = llm.generate(PROMPTS[:1], PARAMS)[0]
     assert out.finished and not out.outputs[0].token_ids
+    # max_model_len 64: one extent is 4 blocks of the 8, but a beam search of width 3 needs 12 at once.
+    llm = LLM(
+        model=model_dir,
+        kv_reservation="orca-max",
+        **(SMALL | {"num_gpu_blocks_override": 8, "max_model_len": 64}),
+    )
+    beams = SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], PARAMS)[0].outputs[0].token_ids) == 12
+    out = llm.generate(PROMPTS[:1], beams)[0]
+    assert out.finished and "reservations do not fit" in (out.error or "")

@@ -93,6 +93,8 @@ class KVCacheManager:
 
     # Under an Orca reservation policy (core/reservation.py) a sequence holds one contiguous extent instead.
     reserving = False
+    # Why a running group alone on the GPU ends when one of its sequences still does not fit.
+    outgrown = "the sequence outgrew the whole KV cache"
 
     # ---- queries -------------------------------------------------------------------------------------
     @property

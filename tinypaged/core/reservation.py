@@ -124,6 +124,10 @@ class ReservingKVCacheManager(KVCacheManager):
     the parent's blocks (`take_copies`), or, when no extent fits at once, leaves the child to recompute."""
 
     reserving = True
+    outgrown = (
+        "its sequences' reservations do not fit the KV cache together (each sample or beam reserves its own "
+        "extent; a beam search needs every beam's at once)"
+    )
 
     def __init__(
         self, policy: str, max_model_len: int, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int

@@ -302,7 +302,7 @@ class Scheduler:
                 else:
                     # Alone on the GPU and one sequence still does not fit: it can never continue.
                     self.running.pop()
-                    self._ignore(group, "the sequence outgrew the whole KV cache", st)
+                    self._ignore(group, self.kv.outgrown, st)
                     break
             if copies is not None:
                 st.commit(group, items, copies)
