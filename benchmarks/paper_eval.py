@@ -136,9 +136,9 @@ def serve(llm: LLM, work: Workload, rate: float, seed: int, tag: str) -> dict[st
     lat: list[float] = []
     norm: list[float] = []
     errors: list[str] = []
-    series: list[
-        tuple[float, int, int, int]
-    ] = []  # (seconds, sequences in the batch, blocks used, KV tokens)
+    # (seconds, sequences in the batch, blocks used, KV tokens, reserved-unused slots, internal slots, free
+    # blocks outside the largest free extent): StepStats' figures
+    series: list[tuple[float, int, int, int, int, int, int]] = []
     start = time.monotonic()
     i = 0
     while i < len(reqs) or engine.has_unfinished_requests():
@@ -152,7 +152,17 @@ def serve(llm: LLM, work: Workload, rate: float, seed: int, tag: str) -> dict[st
         result = engine.step()
         now = time.monotonic()
         s = result.stats
-        series.append((now - start, s.num_seqs, total - s.num_free_blocks, s.num_kv_tokens))
+        series.append(
+            (
+                now - start,
+                s.num_seqs,
+                total - s.num_free_blocks,
+                s.num_kv_tokens,
+                s.num_reserved_unused_slots,
+                s.num_internal_waste_slots,
+                s.num_external_free_blocks,
+            )
+        )
         for out in result.outputs:
             if not out.finished:
                 continue
@@ -182,9 +192,13 @@ def serve(llm: LLM, work: Workload, rate: float, seed: int, tag: str) -> dict[st
     }
 
 
-def usage(series: list[tuple[float, int, int, int]], total: int, block_size: int) -> dict[str, Any]:
+def usage(
+    series: list[tuple[float, int, int, int, int, int, int]], total: int, block_size: int
+) -> dict[str, Any]:
     """Batch size and KV use over a run's steps: means over the steps that ran, the peak, the slots holding
-    tokens at the peak (the paged cache's waste is the rest), and the series itself, thinned to SERIES_POINTS."""
+    tokens at the peak (the paged cache's waste is the rest), the waste at the peak by kind (the held slots
+    reserved but not reached, and those of reached blocks not written, over the held slots; the free blocks
+    outside the largest free extent over the cache), and the series itself, thinned to SERIES_POINTS."""
     ran = [r for r in series if r[1]]
     if not ran:
         return {"kv_blocks_total": total}
@@ -197,12 +211,29 @@ def usage(series: list[tuple[float, int, int, int]], total: int, block_size: int
         "mean_kv_usage": float(np.mean([r[2] for r in ran])) / total,
         "peak_kv_usage": peak[2] / total,
         "peak_slot_utilization": peak[3] / max(1, peak[2] * block_size),
+        "peak_waste": {
+            "reserved": peak[4] / max(1, peak[2] * block_size),
+            "internal": peak[5] / max(1, peak[2] * block_size),
+            "external": peak[6] / total,
+        },
         "series": {
             "t_s": [round(series[k][0], 4) for k in keep],
             "batch_seqs": [series[k][1] for k in keep],
             "kv_usage": [round(series[k][2] / total, 4) for k in keep],
+            "kv_waste": [
+                round((series[k][4] + series[k][5]) / max(1, series[k][2] * block_size), 4) for k in keep
+            ],
         },
     }
+
+
+def waste_text(run: dict[str, Any]) -> str:
+    """A run's KV waste at its peak of block use: reserved-unused and internal (of the held slots), external (of
+    the cache)."""
+    w = run.get("peak_waste")
+    if not w:
+        return "waste n/a"
+    return f"waste {w['reserved']:.0%} reserved + {w['internal']:.0%} internal, {w['external']:.0%} external"
 
 
 def sustained(runs: list[dict[str, Any]], bound: float | None, factor: float) -> dict[str, Any]:
@@ -229,7 +260,7 @@ def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
         print(
             f"  {name} rate {r['rate']:>8.3g}: norm latency {1e3 * r['mean_norm_latency_s']:8.2f} ms/token, "
             f"{r['throughput_req_s']:.3g} req/s, batch {r.get('mean_batch_seqs', 0):.1f}, "
-            f"peak KV {r.get('peak_kv_usage', 0):.0%}, preempted {r['preemptions']}",
+            f"peak KV {r.get('peak_kv_usage', 0):.0%} ({waste_text(r)}), preempted {r['preemptions']}",
             flush=True,
         )
     return {
@@ -341,7 +372,8 @@ def table(res: dict[str, Any]) -> str:
     """The summary printed last: the sustained rate per policy and workload, sharing savings, block sizes."""
     lines = [
         "",
-        "policy       workload   sustained req/s   bound ms/token   norm latency ms/token (rate: value)",
+        "policy       workload   sustained req/s   bound ms/token   norm latency ms/token (rate: value); "
+        "KV waste at the all-at-once peak",
     ]
     for policy, by_name in res.get("rates", {}).items():
         if "error" in by_name:
@@ -355,7 +387,8 @@ def table(res: dict[str, Any]) -> str:
             pts = ", ".join(f"{r['rate']:.3g}: {1e3 * r['mean_norm_latency_s']:.1f}" for r in sweep["runs"])
             rate = "none" if s["max_rate"] is None else f"{s['max_rate']:.3g}"
             lines.append(
-                f"{policy:<12} {name:<10} {rate:>15}   {1e3 * (s['bound_s_per_token'] or 0):>14.2f}   {pts}"
+                f"{policy:<12} {name:<10} {rate:>15}   {1e3 * (s['bound_s_per_token'] or 0):>14.2f}   {pts}; "
+                + waste_text(sweep["saturated"])
             )
     sharing = res.get("sharing", {})
     if sharing and "error" not in sharing:

@@ -8,6 +8,8 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.reservation import KV_RESERVATIONS, make_kv_cache_manager
 from tinypaged.core.schedule_types import SchedulerConfig
 from tinypaged.errors import ConfigError
 from tinypaged.quantization import QUANTIZATIONS, resolve_quantization
@@ -290,6 +292,14 @@ class EngineConfig:
         "how to preempt when blocks run out; default: swap groups of several sequences, recompute the rest",
         choices=("recompute", "swap"),
     )
+    kv_reservation: str = _arg(
+        "paged",
+        "KV memory policy: paged (blocks on demand); orca-oracle, orca-pow2, orca-max reserve one contiguous "
+        "extent per sequence up front, as the vLLM paper's Orca baselines (prompt + max_tokens, + max_tokens "
+        "rounded up to a power of two, or max_model_len), with no prefix caching (forced off) and recompute "
+        "preemption (docs/paper-eval.md)",
+        choices=KV_RESERVATIONS,
+    )
     enforce_eager: bool = _arg(False, "run every step eagerly (no CUDA graphs)")
     cuda_graph_max_tokens: int = _arg(
         2048,
@@ -347,6 +357,9 @@ class EngineConfig:
         ):
             if not ok:
                 raise ConfigError(f"{name} must be {rule}, got {getattr(self, name)}")
+        if self.kv_reservation != "paged":
+            # The paper's Orca baselines share nothing: a reserved extent is one sequence's alone.
+            object.__setattr__(self, "enable_prefix_caching", False)
         self._check_tensor_parallel(mcfg)
         # Every layer's scheme is checked here, before any weight is read: one line for what cannot be run.
         resolve_quantization(
@@ -396,6 +409,19 @@ class EngineConfig:
         """Columns of a block table: enough blocks for a sequence of max_model_len tokens."""
         assert self.max_model_len is not None
         return math.ceil(self.max_model_len / self.block_size)
+
+    def kv_cache_manager(self, num_gpu_blocks: int, num_cpu_blocks: int) -> KVCacheManager:
+        """The KV cache manager of `kv_reservation` over pools of these sizes."""
+        assert self.max_model_len is not None
+        return make_kv_cache_manager(
+            self.kv_reservation,
+            self.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            self.max_model_len,
+            self.enable_prefix_caching,
+            self.model_config.uniform_window,
+        )
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's part, as core/ takes it."""

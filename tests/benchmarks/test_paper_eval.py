@@ -37,7 +37,11 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     assert 0 < r["peak_slot_utilization"] <= 1
     assert len(r["series"]["t_s"]) == len(r["series"]["kv_usage"]) > 0
     assert sweep["sustained"]["max_rate"] == 40  # one rate: the bound is twice its own latency
-    assert "not an engine option" in res["rates"]["orca-oracle"]["error"] or policy_supported("orca-oracle")
+    assert policy_supported("orca-oracle")
+    orca = res["rates"]["orca-oracle"]["alpaca"]["runs"][0]
+    assert orca["completed"] == 3 and orca["num_errors"] == 0
+    assert r["peak_waste"]["reserved"] == r["peak_waste"]["external"] == 0  # paged reserves nothing ahead
+    assert 0 <= orca["peak_waste"]["reserved"] < 1 and len(orca["series"]["kv_waste"]) > 0
     assert res["sharing"]["workload"]["source"].endswith("alpaca.json")  # lengths from the file
     for kind in ("parallel_sampling_2", "beam_search_2"):
         row = res["sharing"][kind]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tinypaged.core.kv_cache_manager import KVCacheManager, PrefixHit
+from tinypaged.core.reservation import ReservingKVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerConfig
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -229,19 +230,26 @@ def simulate(
     watermark: float,
     keys: str,
     window: int | None = None,
+    reservation: str = "paged",
 ) -> list[tuple[tuple[int, int, int], ...]]:
     """Random arrivals (1-3 prompts at a time), forks, finishes and aborts on a tiny cache, checking the
     invariants after every step. `keys` names each group's client request: `own` none (each its own), `shared`
     one for all, `unique` a distinct one each, `clients` one per arrival (its prompts together). Under a sliding
     `window` (every layer's), a sequence holds at most ceil(window / BS) + 1 blocks between steps (run_step checks
-    the bound during a step). Returns what each step scheduled: (seq id, computed, new tokens) per sequence."""
+    the bound during a step). Under an Orca `reservation` policy each request's max_tokens is its output limit,
+    and each sequence's table stays within its extent. Returns what each step scheduled: (seq id, computed, new
+    tokens) per sequence."""
     rng = random.Random(seed)
     max_model_len = 16
     if not chunked:
         budget = max(budget, max_model_len)
-    kv = KVCacheManager(
-        BS, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching, sliding_window=window
-    )
+    if reservation == "paged":
+        kv = KVCacheManager(
+            BS, num_gpu, num_cpu, watermark=watermark, enable_prefix_caching=caching, sliding_window=window
+        )
+    else:
+        kv = ReservingKVCacheManager(reservation, max_model_len, BS, num_gpu, num_cpu)
+        window = None
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, mode, chunked)  # type: ignore[arg-type]
     sched = Scheduler(cfg, kv)
     shadow = ShadowCache(BS, window)
@@ -266,7 +274,9 @@ def simulate(
                     "unique": f"c{added}",
                     "clients": f"a{arrivals}" if prompts > 1 else None,
                 }[keys]
-                sched.add_seq_group(SequenceGroup(rid, [seq], float(step), client_request_id=client))
+                group = SequenceGroup(rid, [seq], float(step), client_request_id=client)
+                group.max_tokens = limits[seq.seq_id]
+                sched.add_seq_group(group)
                 added += 1
             arrivals += 1
         out = run_step(sched, shadow, next_token=rng.randint(0, 2))
@@ -277,20 +287,24 @@ def simulate(
             seq = sched.get_seq(s.seq_id)
             if seq is None or not s.do_sample:
                 continue
-            if forks.get(s.request_id):
+            # (A child at max_model_len would outgrow its reservation: the engine finishes every sequence there.)
+            if forks.get(s.request_id) and not (kv.reserving and seq.num_tokens >= max_model_len):
                 for _ in range(forks.pop(s.request_id)):
                     child = seq.fork(next(ids))
                     child.token_ids[-1] = rng.randint(0, 2)
-                    limits[child.seq_id] = rng.randint(1, 8)
+                    limits[child.seq_id] = limits[seq.seq_id] if kv.reserving else rng.randint(1, 8)
                     sched.fork_seq(seq, child)
             forks.pop(s.request_id, None)
             if len(seq.output_token_ids) >= limits[seq.seq_id] or seq.num_tokens >= max_model_len:
                 sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
         if rng.random() < 0.05 and added:
             sched.abort_seq_group(f"r{rng.randrange(added)}")
+        # A forked child's copies under a reservation run at the start of the next step.
+        copying = {dst for _, dst in getattr(kv, "_copies", ())}
         for group in sched.running + sched.swapped:
             for seq in group.unfinished_seqs():
-                shadow.check_seq(kv, seq)
+                if not copying.intersection(kv.get_block_table(seq.seq_id)):
+                    shadow.check_seq(kv, seq)
                 held = [b for b in kv.get_block_table(seq.seq_id) if b >= 0]
                 assert window is None or len(held) <= -(-window // BS) + 1, (
                     window,
@@ -299,7 +313,10 @@ def simulate(
         for group in sched.swapped:
             assert all(s.status == SequenceStatus.SWAPPED for s in group.unfinished_seqs())
         queued = sched.running + sched.swapped + sched.waiting
-        check_snapshot(kv, sched.cache_snapshot(), {s.seq_id: g.request_id for g in queued for s in g.seqs})
+        if not kv.reserving:  # a reservation's snapshot names whole extents, not block tables
+            check_snapshot(
+                kv, sched.cache_snapshot(), {s.seq_id: g.request_id for g in queued for s in g.seqs}
+            )
         if added == num_requests and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "requests stalled"
@@ -411,3 +428,16 @@ def test_newcomer_waits_one_step_behind_a_long_prefill(
     # The prefill still advances by at least half a budget.
     advanced = sum(s.num_new_tokens for s in out.scheduled if s.request_id == "long")
     assert advanced >= min(remaining, budget - budget // 2)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    reservation=st.sampled_from(["orca-oracle", "orca-pow2", "orca-max"]),
+    keys=st.sampled_from(KEYS),
+    **CONFIGS,
+)
+def test_scheduler_simulation_reserving(reservation: str, keys: str, **config: Any) -> None:
+    """The same simulation under each Orca reservation policy: extents never overlap, a sequence's table stays
+    inside its extent (check_integrity), forked children read their parent's copied K/V, preemption and finish
+    free whole extents (every block free at the end), and nothing stalls."""
+    simulate(keys=keys, reservation=reservation, **config)

@@ -91,6 +91,11 @@ class KVCacheManager:
         self.num_prefix_queried_blocks = 0
         self.num_prefix_hit_blocks = 0
 
+    # Under an Orca reservation policy (core/reservation.py) a sequence holds one contiguous extent instead.
+    reserving = False
+    # Why a running group alone on the GPU ends when one of its sequences still does not fit.
+    outgrown = "the sequence outgrew the whole KV cache"
+
     # ---- queries -------------------------------------------------------------------------------------
     @property
     def num_free_gpu_blocks(self) -> int:
@@ -148,6 +153,33 @@ class KVCacheManager:
                     local_refs[table[i]] = refs - 1
             need += max(0, cdiv(end, self.block_size) - len(table))
         return need
+
+    # ---- admission hooks (a reservation policy overrides them) ---------------------------------------
+    def register(self, group: SequenceGroup) -> None:
+        """A new request was queued (a reservation policy records its sequences' reservations)."""
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence has left the scheduler for good: free its blocks."""
+        self.free(seq_id)
+
+    def blocks_to_admit(self, seqs: Iterable[Sequence]) -> int:
+        """The blocks these sequences need at least to run whole (their tokens so far)."""
+        return sum(cdiv(seq.num_tokens, self.block_size) for seq in seqs)
+
+    def can_admit(
+        self, items: list[tuple[Sequence, int]], hits: Mapping[int, PrefixHit], reserve: int
+    ) -> bool:
+        """Whether allocating these chunks (after taking their hits) leaves at least `reserve` blocks free."""
+        return self.num_free_gpu_blocks - self.blocks_needed(items, hits) >= reserve
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Block copies queued outside allocation (a reservation policy's forks); none when paged."""
+        return []
+
+    def reservation_stats(self) -> tuple[int, int]:
+        """(blocks reserved but in no block table, the largest free extent in blocks): paged, every free
+        block serves any sequence, so (0, the free blocks)."""
+        return 0, self.gpu_pool.num_free_blocks
 
     def snapshot(self, request_ids: Mapping[int, str]) -> CacheSnapshot:
         """Both pools' ref counts, cached blocks and holders, by request id (`request_ids`: seq id -> its

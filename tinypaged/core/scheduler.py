@@ -13,7 +13,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from tinypaged.core.kv_cache_manager import CacheSnapshot, KVCacheManager, PrefixHit, cdiv
+from tinypaged.core.kv_cache_manager import CacheSnapshot, KVCacheManager, PrefixHit
 from tinypaged.core.schedule_types import PreemptionMode, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -136,6 +136,7 @@ class Scheduler:
         for seq in group.seqs:
             seq.status = SequenceStatus.WAITING
             self._seqs[seq.seq_id] = (seq, group)
+        self.kv.register(group)
         bisect.insort_right(self.waiting, group, key=_by_arrival)
 
     def get_seq(self, seq_id: int) -> Sequence | None:
@@ -177,6 +178,7 @@ class Scheduler:
         group = entry[1]
         if not seq.status.is_finished:
             self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.kv.forget(seq.seq_id)
         group.seqs.remove(seq)
         assert group.seqs, "a group keeps at least one sequence"
 
@@ -187,7 +189,9 @@ class Scheduler:
             raise ValueError(f"seq {child.seq_id} already exists")
         self.kv.fork(parent.seq_id, child.seq_id)
         child.status = parent.status
-        child.num_computed_tokens = parent.num_computed_tokens
+        # A reserving cache that found the child no extent yet: it recomputes its tokens when it next runs.
+        copied = not self.kv.reserving or self.kv.get_block_table(child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens if copied else 0
         if all(s is not child for s in group.seqs):
             group.seqs.append(child)
         self._seqs[child.seq_id] = (child, group)
@@ -219,6 +223,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running first, then swapped-in, then new requests, within the budget."""
         st = _Step(budget=self.config.max_num_batched_tokens, seqs_left=self.config.max_num_seqs)
+        st.copies.extend(self.kv.take_copies())
         self._schedule_running(st)
         # After a preemption memory is short: admitting or swapping in now would only thrash.
         if not st.preempted:
@@ -297,7 +302,7 @@ class Scheduler:
                 else:
                     # Alone on the GPU and one sequence still does not fit: it can never continue.
                     self.running.pop()
-                    self._ignore(group, "the sequence outgrew the whole KV cache", st)
+                    self._ignore(group, self.kv.outgrown, st)
                     break
             if copies is not None:
                 st.commit(group, items, copies)
@@ -354,7 +359,7 @@ class Scheduler:
             items = self._chunk(seqs, st, hits)
             # The watermark keeps room for running sequences to grow; with nothing running it only stalls.
             reserve = self.kv.watermark_blocks if self.running else 0
-            if not items or self.kv.num_free_gpu_blocks - self.kv.blocks_needed(items, hits) < reserve:
+            if not items or not self.kv.can_admit(items, hits, reserve):
                 return
             for seq in seqs:
                 self.kv.take_prefix(seq, hits[seq.seq_id])
@@ -406,7 +411,7 @@ class Scheduler:
                     f"sequence of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
                     f"{cfg.max_num_batched_tokens} and chunked prefill is off"
                 )
-        num_blocks = sum(cdiv(seq.num_tokens, self.kv.block_size) for seq in seqs)
+        num_blocks = self.kv.blocks_to_admit(seqs)
         if num_blocks > self.kv.num_gpu_blocks:
             return f"needs {num_blocks} KV cache blocks but the GPU cache has only {self.kv.num_gpu_blocks}"
         return None
@@ -439,6 +444,7 @@ class Scheduler:
             self._forget_client(group)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
+            self.kv.forget(seq.seq_id)
         st.ignored.append((group.request_id, reason))
         self.num_ignored += 1
 
@@ -457,6 +463,7 @@ class Scheduler:
             self._forget_client(group)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
+            self.kv.forget(seq.seq_id)
 
     def _forget_client(self, group: SequenceGroup) -> None:
         """A group has left the scheduler: its client request's turn is forgotten with its last group."""

@@ -104,6 +104,9 @@ class SequenceGroup:
     # Set by the scheduler when it last brought the group onto the GPU (admission or swap-in): the latest
     # arrival_time of any group added by then. A group waiting that arrived later is new to it.
     arrivals_seen: float = 0.0
+    # The most tokens each sequence may generate (SamplingParams.max_tokens; None: up to max_model_len). Read only
+    # by a reservation policy (core/reservation.py), which reserves for the whole output up front.
+    max_tokens: int | None = None
 
     @property
     def client_key(self) -> str:

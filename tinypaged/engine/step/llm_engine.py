@@ -12,7 +12,6 @@ from typing import Literal, NoReturn
 import torch
 
 from tinypaged.config import EngineConfig
-from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.scheduler import Scheduler, SchedulerOutput
 from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.device.executor import Executor
@@ -62,13 +61,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.executor = Executor(config)
         self.runner = self.executor.runner
-        self.kv = KVCacheManager(
-            block_size=config.block_size,
-            num_gpu_blocks=self.runner.num_gpu_blocks,
-            num_cpu_blocks=self.runner.num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=config.model_config.uniform_window,
-        )
+        self.kv = config.kv_cache_manager(self.runner.num_gpu_blocks, self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.sampler = Sampler()
         self.eos_ids = frozenset(config.model_config.eos_token_ids) | (
@@ -122,6 +115,7 @@ class LLMEngine:
             request.arrival_time if request.arrival_time is not None else time.monotonic(),
             reads_prefix_cache=params.prompt_logprobs is None,
             client_request_id=request.client_request_id,
+            max_tokens=params.max_tokens,
         )
         strategy = self._strategy(params, len(ids))
         req = Request(group, request.prompt, list(ids), params, strategy, RequestMetrics(group.arrival_time))
@@ -245,7 +239,7 @@ class LLMEngine:
             self._inflight = None
         timer.stop()
         graph = executed.graph if executed is not None else None
-        kv = self.kv.num_free_gpu_blocks, self.scheduler.running  # as the step leaves them
+        kv = self.kv.num_free_gpu_blocks, self.scheduler.running, self.kv  # as the step leaves them
         stats = StepStats.of(index, sched, graph, queued, applied, outputs, timer, preempted_pending, *kv)
         return StepResult(outputs, stats)
 

@@ -87,6 +87,14 @@ class StepStats:
     total_s: float
     # Device time of each applied step's forward pass, when `ModelRunner.time_device` is on (CUDA only).
     device_s: tuple[float, ...] = ()
+    # KV waste after the step (docs/paper-eval.md), in token slots unless named blocks: slots reserved by an
+    # Orca policy's extents beyond the blocks their sequences have reached (paged: 0); slots of blocks in block
+    # tables not holding a computed token (the last partial block; shared blocks make it a lower bound);
+    # the longest run of free blocks, and the free blocks outside it (external fragmentation; paged: 0).
+    num_reserved_unused_slots: int = 0
+    num_internal_waste_slots: int = 0
+    largest_free_extent: int = 0
+    num_external_free_blocks: int = 0
 
     @classmethod
     def of(
@@ -101,10 +109,21 @@ class StepStats:
         num_preempted_pending: int,
         num_free_blocks: int,
         running: Iterable[SequenceGroup],
+        kv: KVCacheManager | None = None,
     ) -> StepStats:
         """A finished step's statistics: its schedule, the graph its forward pass replayed (None: it ran no
         forward pass), the step it queued, the steps it applied, its outputs, its timer, and after it the
-        sequences preempted with a pending token, the free KV blocks and the running groups."""
+        sequences preempted with a pending token, the free KV blocks, the running groups and the KV cache."""
+        num_kv_tokens = sum(
+            s.num_computed_tokens for g in running for s in g.seqs if not s.status.is_finished
+        )
+        unused = internal = 0
+        largest = num_free_blocks
+        if kv is not None:
+            unused_blocks, largest = kv.reservation_stats()
+            unused = unused_blocks * kv.block_size
+            in_tables = (kv.num_gpu_blocks - num_free_blocks - unused_blocks) * kv.block_size
+            internal = max(0, in_tables - num_kv_tokens)
         decode = partial = 0
         for s in sched.scheduled:
             decode += s.num_new_tokens == 1 and s.do_sample
@@ -130,9 +149,7 @@ class StepStats:
             deferred=queued is not None and queued.deferred,
             applied_steps=tuple(s.index for s in applied),
             num_free_blocks=num_free_blocks,
-            num_kv_tokens=sum(
-                s.num_computed_tokens for g in running for s in g.seqs if not s.status.is_finished
-            ),
+            num_kv_tokens=num_kv_tokens,
             schedule_s=t.schedule_end - t.start,
             execute_s=t.execute_end - t.schedule_end,
             sample_s=t.sample_end - t.sample_start,
@@ -141,6 +158,10 @@ class StepStats:
             wait_s=sum(s.wait_s for s in applied),
             total_s=t.end - t.start,
             device_s=tuple(s.device_s for s in applied if s.device_s is not None),
+            num_reserved_unused_slots=unused,
+            num_internal_waste_slots=internal,
+            largest_free_extent=largest,
+            num_external_free_blocks=num_free_blocks - largest,
         )
 
 
