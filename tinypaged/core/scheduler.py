@@ -1,6 +1,6 @@
 """The scheduler: which sequences run each step, with how many tokens, and what to preempt, swap or copy.
 
-One job, in about 450 lines: every policy that decides a step's batch lives here together (the running queue
+One job, in about 480 lines: every policy that decides a step's batch lives here together (the running queue
 first, swap-in, admission with its turns between client requests, preemption), because each reads the token
 budget and the free blocks the others leave; the block bookkeeping itself is the KV cache manager's.
 """
