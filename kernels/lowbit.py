@@ -13,12 +13,15 @@ The layout (`model/quant/lowbit.py` packs it, and repacks every checkpoint forma
 
 Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
 - `wint_gemv` (1-4 rows): a program owns BLOCK_N weight rows and walks K one group (or a power-of-two part of
-  one; or, with a power-of-two group, several whole groups: a config the sweep tries) at a time, unpacking the
-  words with shifts, dequantizing in registers to float32 and keeping float32 partial products per thread, as
+  one; or, with a power-of-two group, several whole groups: a config the sweep tries) at a time. It keeps the
+  loaded words as they are and takes code j of every word in turn against the activations at columns
+  `word * 32 / bits + j` (no reshape: splitting the packed dimension would cost a trip through shared memory),
+  turns codes into floats by setting them into 2^23's mantissa (no integer-to-float instruction, which runs
+  at a quarter of the float rate), and keeps a float32 partial a word per thread, scaled once a step, as
   kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
   128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
   float32 partial sums, which `_reduce_kernel` adds (bias and cast there): deterministic, no atomics.
-  Products and sums are float32: it matches the float32 reference up to the order of the sums.
+  Products and sums are float32: it matches the float32 reference up to the order and rounding of the sums.
 - `wint_gemm` (up to 64 rows): tiles through the tensor cores. The codes minus the zero point are small
   integers, exact in bf16 and fp16, so each step's `tl.dot` of the activations against them (float32
   accumulation) is exact up to float32 sums, and the group's scale multiplies the step's float32 result: the
@@ -83,6 +86,62 @@ def _group_params(s_ptr, z_ptr, g, cols, col_ok, stride_s, BITS: tl.constexpr, H
 
 
 @triton.jit
+def _minus_zero(words, j: tl.constexpr, zero, BITS: tl.constexpr):
+    """Code j of each packed word minus its row's zero point, float32 (exact: a small integer). The code goes
+    into the low mantissa bits of 2^23 (0x4B000000) and the float's bits are read as they are, so no
+    integer-to-float conversion runs (a quarter-rate instruction): 2^23 + code - (2^23 + zero)."""
+    bits = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - (zero + 8388608.0)
+
+
+@triton.jit
+def _gemv_step(
+    x_rows, w_ptr, s_ptr, z_ptr, k0, cols, row_ok, col_ok, stride_w, stride_s,
+    GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step of the GEMV: float32 partials `[BLOCK_M, BLOCK_N, BLOCK_K / PACK]`, one per packed word,
+    each summing its PACK codes' products with the activations they meet. The words stay in the layout they
+    were loaded in: code j of every word is taken in turn against the activations at columns `word * PACK + j`
+    (a strided load of a row that sits in L1), so no tensor is reshaped (a reshape that splits the packed
+    dimension costs a trip through shared memory)."""
+    PACK: tl.constexpr = 32 // BITS
+    kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    words = tl.load(
+        w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
+    )
+    if BLOCK_K > GROUP:  # several whole groups a step (a power-of-two group): a scale per word
+        g = (kp * PACK) // GROUP
+        s = tl.load(s_ptr + g[None, :] * stride_s + cols[:, None], mask=col_ok[:, None], other=0.0)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + g[None, :] * stride_s + cols[:, None], mask=col_ok[:, None], other=0)
+            z = z.to(tl.float32)
+        else:
+            z = tl.zeros_like(s) + (1 << (BITS - 1))
+    else:
+        s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+        s = s[:, None]
+        z = z[:, None]
+    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
+    for j in tl.static_range(PACK):
+        x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        part += x[:, None, :] * _minus_zero(words, j, z, BITS)[None, :, :]
+    return part * s[None, :, :]
+
+
+@triton.jit
+def _dot_step(acc, x, w, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x `[M, k]` dotted with w `[N, k]` on the tensor cores: `[M, N]`, or `[N, M]` (SWAP_AB)."""
+    if SWAP_AB:
+        if IEEE:
+            return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(x), acc)
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def _wint_kernel(
     x_ptr,
     w_ptr,
@@ -126,46 +185,37 @@ def _wint_kernel(
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_start(USE_PDL)
     if not DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
     elif SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
-        q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-        if BLOCK_K > GROUP:  # the GEMV over several whole groups a step (a power-of-two group)
-            gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s_at = s_ptr + gs[None, :] * stride_s + cols[:, None]
-            s2 = tl.load(s_at, mask=col_ok[:, None], other=0.0)
-            if HAS_ZERO:
-                z_at = z_ptr + gs[None, :] * stride_s + cols[:, None]
-                z2 = tl.load(z_at, mask=col_ok[:, None], other=0).to(tl.float32)
-            else:
-                z2 = tl.zeros_like(s2) + (1 << (BITS - 1))
-            q3 = tl.reshape(q.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
-            w = tl.reshape((q3 - z2[:, :, None]) * s2[:, :, None], (BLOCK_N, BLOCK_K))
-            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
-        elif not DOT:
+        if not DOT:
+            acc += _gemv_step(
+                x_rows, w_ptr, s_ptr, z_ptr, k0, cols, row_ok, col_ok, stride_w, stride_s,
+                GROUP, BITS, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        elif BLOCK_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
+            kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            words = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
+            )
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
-            w = (q.to(tl.float32) - z[:, None]) * s[:, None]
-            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
-        else:
+            step = tl.zeros(acc.shape, dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
+                w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
+                step = _dot_step(step, x, w, SWAP_AB, IEEE)
+            acc += step * (s[:, None] if SWAP_AB else s[None, :])
+        else:  # a narrow step (a small group): the codes unpacked into their columns' order
+            q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
             w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
-            if SWAP_AB:
-                if IEEE:
-                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
-                else:
-                    part = tl.dot(w, tl.trans(x))
-                acc += part * s[:, None]
-            else:
-                if IEEE:
-                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    part = tl.dot(x, tl.trans(w))
-                acc += part * s[None, :]
+            step = _dot_step(tl.zeros(acc.shape, dtype=tl.float32), x, w, SWAP_AB, IEEE)
+            acc += step * (s[:, None] if SWAP_AB else s[None, :])
     if not DOT:
         y = tl.sum(acc, axis=2)
     elif SWAP_AB:
