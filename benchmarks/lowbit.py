@@ -33,6 +33,7 @@ Targets: INT4 batch-1 >= 2.0x bf16, INT8 batch-1 >= 1.5x, INT4 batch-16 >= 1.7x.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import math
 import time
@@ -214,6 +215,8 @@ def part_decode(res: dict[str, Any], args: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001 - the other engines still run
             traceback.print_exc()
             out["error"] = f"{type(e).__name__}: {e}"
+            gc.collect()  # an engine that failed half-built still holds its weights until collected
+            torch.cuda.empty_cache()
         write_json(args.json, res)
     base = engines.get("bf16", {}).get("batch16", {}).get("tokens")
     for e in engines.values():

@@ -100,13 +100,15 @@ def _gemv_step(
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step of the GEMV: float32 partials `[BLOCK_M, BLOCK_N, BLOCK_K / PACK]`, one per packed word,
+    """One K step of the GEMV: float32 partials `[BLOCK_M, BLOCK_N, BLOCK_K / PACK]` (one row: `[BLOCK_N,
+    BLOCK_K / PACK]`), one per packed word,
     each summing its PACK codes' products with the activations they meet. The words stay in the layout they
     were loaded in: code j of every word is taken in turn against the activations at columns `word * PACK + j`
     (a strided load of a row that sits in L1), so no tensor is reshaped (a reshape that splits the packed
     dimension costs a trip through shared memory)."""
     PACK: tl.constexpr = 32 // BITS
-    kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    # k0 is a multiple of BLOCK_K: the words' row runs start 16-byte aligned (stride_w is, at 16 divisibility).
+    kp = tl.multiple_of(k0 // PACK, BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
     words = tl.load(
         w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
     )
@@ -122,23 +124,36 @@ def _gemv_step(
         s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
         s = s[:, None]
         z = z[:, None]
-    part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
-    for j in tl.static_range(PACK):
-        x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        part += x[:, None, :] * _minus_zero(words, j, z, BITS)[None, :, :]
-    return part * s[None, :, :]
+    if BLOCK_M == 1:  # one row: everything in the words' own 2D layout, no layout conversion in the loop
+        part = tl.zeros((BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            part += x * _minus_zero(words, j, z, BITS)
+        out = part * s
+    else:
+        part3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            part3 += x[:, None, :] * _minus_zero(words, j, z, BITS)[None, :, :]
+        out = part3 * s[None, :, :]
+    return out
 
 
 @triton.jit
 def _dot_step(acc, x, w, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
-    """acc + x `[M, k]` dotted with w `[N, k]` on the tensor cores: `[M, N]`, or `[N, M]` (SWAP_AB)."""
+    """acc + x `[M, k]` dotted with w `[N, k]` on the tensor cores: `[M, N]`, or `[N, M]` (SWAP_AB). One return
+    at the end: the compiler visits statements after an early return too."""
     if SWAP_AB:
-        if IEEE:
-            return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        return tl.dot(w, tl.trans(x), acc)
+        a = w
+        b = tl.trans(x)
+    else:
+        a = x
+        b = tl.trans(w)
     if IEEE:
-        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
@@ -184,7 +199,9 @@ def _wint_kernel(
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_start(USE_PDL)
-    if not DOT:
+    if not DOT and BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
+    elif not DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
     elif SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -216,7 +233,9 @@ def _wint_kernel(
             w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
             step = _dot_step(tl.zeros(acc.shape, dtype=tl.float32), x, w, SWAP_AB, IEEE)
             acc += step * (s[:, None] if SWAP_AB else s[None, :])
-    if not DOT:
+    if not DOT and BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    elif not DOT:
         y = tl.sum(acc, axis=2)
     elif SWAP_AB:
         y = tl.trans(acc)
