@@ -317,13 +317,15 @@ def _split(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> in
 
 
 def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: 4,096 weights a step at one row (32 rows of a
-    128-wide group: 16 bytes of INT4 a thread, 32 float32 partials), fewer rows per program as rows are added,
-    then K split until every multiprocessor has two programs. First guesses: benchmarks/lowbit.py checks them
-    at the 8B shapes."""
-    block_k = step_k(group)
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: steps of 512 columns where the group allows (whole
+    power-of-two groups that divide K), 8,192 weights a step on outputs wider than 4,096 and 4,096 on narrower
+    ones (more programs), K split only where the tiles leave multiprocessors idle. From the H200 sweep at one
+    row (run 72, benchmarks/NOTES.md): 1.2-1.9x faster than 32-row, one-group steps at the 8B shapes."""
     block_m = triton.next_power_of_2(m)
-    block_n = max(4, 4096 // (block_k * block_m))
+    block_k = step_k(group)
+    if group & (group - 1) == 0:
+        block_k = next(b for b in (512, 256, 128, 64, 32) if b >= group and k % b == 0 or b == block_k)
+    block_n = max(4, (8192 if n > 4096 else 4096) // (block_k * block_m))
     return block_n, block_k, _split(triton.cdiv(n, block_n), k, block_k, sms), 4
 
 

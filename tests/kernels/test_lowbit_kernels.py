@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinypaged.kernels.lowbit import gemm_config, gemv_config, wint_dequantize, wint_gemm, wint_gemv
+from tinypaged.kernels.lowbit import (
+    gemm_config,
+    gemv_config,
+    step_k,
+    wint_dequantize,
+    wint_gemm,
+    wint_gemv,
+)
 from tinypaged.model.quant import lowbit
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2**-10, 1e-3)}
@@ -47,8 +54,7 @@ def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetr
     """One and three rows, N off the tile, fp16 with bias and float32 without; K split over programs too."""
     k = 3 * group * 2
     x, q, bias = operands(m, 37, k, bits, group, symmetric, torch.float16, seed=m + bits)
-    for split in (1, 2):
-        cfg = gemv_config(m, 37, k, group)[:2] + (split, 4)
+    for cfg in (gemv_config(m, 37, k, group), (8, step_k(group), 2, 4)):  # the default, then a K split
         y = wint_gemv(x, q, bias=bias, config=cfg)
         assert y.dtype == torch.float16 and y.shape == (m, 37)
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
@@ -96,9 +102,11 @@ def test_dispatch_by_rows_matches_the_reference() -> None:
 
 
 def test_configs_at_the_8b_shapes() -> None:
-    """Narrow outputs split K so that an H200's 132 multiprocessors each get two programs; wide ones do not."""
-    assert gemv_config(1, 4096, 14336, 128) == (32, 128, 4, 4)  # down_proj: 128 row tiles x 4
-    assert gemv_config(1, 28672, 4096, 128)[2] == 1  # gate_up: 896 programs
-    assert gemv_config(1, 6144, 4096, 128)[2] == 2
+    """The GEMV steps over four 128-wide groups, 16 rows a program on wide outputs and 8 on narrow ones (run 72's
+    sweep); no K split at these shapes (512 programs or more); a small output splits K."""
+    assert gemv_config(1, 4096, 14336, 128) == (8, 512, 1, 4)  # down_proj
+    assert gemv_config(1, 28672, 4096, 128) == (16, 512, 1, 4)  # gate_up
+    assert gemv_config(1, 6144, 4096, 128) == (16, 512, 1, 4)
+    assert gemv_config(1, 512, 4096, 128) == (8, 512, 2, 4)  # 64 tiles: K split in two
     assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
     assert gemm_config(64, 28672, 4096, 128)[:4] == (64, 128, 128, 2)
