@@ -238,6 +238,9 @@ def offline_child(args: argparse.Namespace) -> int:
                            max_tokens=o, ignore_eos=True)
             for i, (_, o) in enumerate(work)
         ]  # fmt: skip
+        # The second run would find the first's prompts in the prefix cache and skip their prefill (run 71:
+        # W1 ran 1.6x faster the second time in a process, whatever its sampling); each run starts empty.
+        assert llm.reset_prefix_cache()
         t0 = time.perf_counter()
         done = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
