@@ -24,7 +24,11 @@ from tinypaged.replicas.replica import EngineReplica, MetricsBoard
 ROUTERS = {
     "kv": "tinypaged.replicas.router:KVAwareRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
-    "prefix-affinity": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    # Ray Serve LLM's router, from the module that defines it: `ray.serve.llm.request_router` re-exports it (a
+    # subclass adding a docstring), but importing `ray.serve.llm` needs vLLM or SGLang installed.
+    "prefix-affinity": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+    ),
 }
 # PrefixCacheAffinityRouter as Ray's "Prefix-aware routing" guide configures it.
 PREFIX_AFFINITY_KWARGS = {

@@ -144,7 +144,9 @@ class Ingress:
         assert isinstance(head, ResponseHead)
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head.headers]
         await send({"type": "http.response.start", "status": head.status, "headers": raw})
-        events = any(k == "content-type" and v.startswith("text/event-stream") for k, v in head.headers)
+        events = any(
+            k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head.headers
+        )
         try:
             async for chunk in stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -53,11 +53,12 @@ def run(
             ray.shutdown()
         raise
     url = f"http://{host}:{port}"
-    _wait_healthy(url, timeout=600.0)
+    wait_healthy(url, timeout=600.0)
     return url
 
 
-def _wait_healthy(url: str, timeout: float) -> None:
+def wait_healthy(url: str, timeout: float) -> None:
+    """Wait for `url`/health to answer 200 (RuntimeError after `timeout` seconds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -114,7 +114,7 @@ class EngineReplica:
             await asyncio.sleep(PUSH_EVERY_S)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What routers read (router.py): the cached block keys, the queue, the KV usage."""
+        """What routers read (router.py): the cached block keys, the queue, the batch's size, the KV usage."""
         stats = self.engine.stats()
         return {
             "block_keys": list(self.cached.keys),
@@ -122,6 +122,7 @@ class EngineReplica:
             "published_at": time.time(),
             "kv_usage": stats.gpu_cache_usage,
             "num_requests": stats.num_running + stats.num_waiting,
+            "max_num_seqs": self.engine.config.max_num_seqs,  # beyond it, a request waits for a slot
         }
 
     def check_health(self) -> None:

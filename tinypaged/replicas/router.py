@@ -8,10 +8,13 @@ sent to a replica as held there: a chat's next turn usually comes before the blo
 published. Such a claim lasts until the replica publishes after the request completed (then its stats are the
 truth, evictions included), or `claim_ttl_s`.
 
-Score of a replica, in blocks of prefill saved: matched blocks - `load_cost_blocks` x its ongoing requests, less
-`full_cost_blocks` when its KV cache is nearly full (admitting there would evict or preempt). A replica more than
-`max_imbalance` requests above the least loaded one ranks last whatever it holds, so one hot prefix cannot pile
-every request on one replica.
+Score of a replica, in blocks of prefill saved (what a request's time to first token is made of: the prefill of
+the blocks it misses, and its wait for a place in the batch): matched blocks, less `running_cost_blocks` for
+each ongoing request up to the replica's batch (`max_num_seqs`: they slow its steps a little), less
+`waiting_cost_blocks` for each one beyond it (this one would wait for a slot behind them), less
+`full_cost_blocks` when its KV cache is nearly full (admitting there would evict or preempt). A replica more
+than `max_imbalance` requests above the least loaded one ranks last whatever it holds, so one hot prefix cannot
+pile every request on one replica.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ class KVAwareRouter(RequestRouter):
 
     def initialize_state(
         self,
-        load_cost_blocks: float = 4.0,
+        running_cost_blocks: float = 1.0,
+        waiting_cost_blocks: float = 16.0,
         full_cost_blocks: float = 16.0,
         max_imbalance: int = 8,
         claim_ttl_s: float = 120.0,
     ) -> None:
         """The score's weights (request_router_kwargs)."""
-        self.load_cost_blocks = load_cost_blocks
+        self.running_cost_blocks = running_cost_blocks
+        self.waiting_cost_blocks = waiting_cost_blocks
         self.full_cost_blocks = full_cost_blocks
         self.max_imbalance = max_imbalance
         self.claim_ttl_s = claim_ttl_s
@@ -94,7 +99,9 @@ class KVAwareRouter(RequestRouter):
             stats = r.routing_stats or {}
             held, claimed = self._held_keys(r), self._claimed_keys(r)
             matched = longest_prefix(keys, held, claimed) if keys else 0
-            score = matched - self.load_cost_blocks * loads[r.replica_id]
+            load, batch = loads[r.replica_id], stats.get("max_num_seqs", 256)
+            waiting = max(0, load + 1 - batch)  # this request's place in the queue, if it would wait
+            score = matched - self.running_cost_blocks * min(load, batch) - self.waiting_cost_blocks * waiting
             if stats.get("kv_usage", 0.0) > _FULL:
                 score -= self.full_cost_blocks
             balanced = loads[r.replica_id] - least <= self.max_imbalance
