@@ -32,6 +32,7 @@ from tinypaged.replicas import launch
 from tinypaged.server.local import LocalServer
 
 PORT = 8947
+ROUTERS = ("kv", "pow2", "prefix-affinity")
 SYSTEM = (
     "You are a careful assistant for a shipping company. You answer questions about routes, cargo, ports, "
     "weather and schedules. Keep every answer short and precise, say when you do not know, never invent a "
@@ -109,6 +110,7 @@ async def run_workload(url: str, n: int, turns: int, reply_tokens: int, think_s:
     hits, queries = after[0] - before[0], after[1] - before[1]
     return {
         "turns": len(out["ttft"]),
+        "ttfts_ms": [round(t * 1e3, 1) for t in out["ttft"]],
         "errors": out["errors"][:5],
         "num_errors": len(out["errors"]),
         "wall_s": round(wall, 2),
@@ -189,27 +191,14 @@ async def kill_under_load(url: str, n: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         tasks = [asyncio.create_task(stream_once(http, url, i, out)) for i in range(n)]
         await asyncio.sleep(3.0)
-        names = [
-            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]
-        ]
+        names = replica_actors()
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         killed = time.monotonic()
+        replaced = asyncio.create_task(replacement(http, url, names[0], killed))
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
-        cut = [r for r in out if not r["finished"] and r["chunks"] > 0]
-        lost = [r for r in out if not r["finished"] and r["chunks"] == 0]
-        replaced_s = None
-        while time.monotonic() - killed < 120:
-            now = [
-                a["name"]
-                for a in ray.util.list_named_actors(all_namespaces=True)
-                if "EngineReplica" in a["name"]
-            ]
-            if len(now) == 2 and names[0] not in now:
-                async with http.get(url + "/health") as resp:
-                    if resp.status == 200:
-                        replaced_s = time.monotonic() - killed
-                        break
-            await asyncio.sleep(0.5)
+        replaced_s = await replaced
+    cut = [r for r in out if not r["finished"] and r["chunks"] > 0]
+    lost = [r for r in out if not r["finished"] and r["chunks"] == 0]
     return {
         "requests": n,
         "completed": sum(r["finished"] for r in out),
@@ -217,8 +206,40 @@ async def kill_under_load(url: str, n: int) -> dict[str, Any]:
         "cut_with_error_event": sum(r["error"] == "replica_unavailable" for r in cut),
         "lost_not_begun": len(lost),
         "last_cut_stream_end_s": round(max((r["end"] - killed for r in cut), default=0.0), 2),
-        "all_ended_s": round(max(r["end"] for r in out) - killed, 2),
+        "last_request_end_s": round(max(r["end"] for r in out) - killed, 2),
         "replaced_after_s": round(replaced_s, 1) if replaced_s is not None else None,
+    }
+
+
+def replica_actors() -> list[str]:
+    """The names of the engine replicas' actors now."""
+    import ray
+
+    return [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]
+    ]
+
+
+async def replacement(http: aiohttp.ClientSession, url: str, dead: str, since: float) -> float | None:
+    """Seconds from `since` until Serve has a replica in place of `dead` and the application is healthy."""
+    while time.monotonic() - since < 180:
+        now = replica_actors()
+        if len(now) == 2 and dead not in now:
+            async with http.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return time.monotonic() - since
+        await asyncio.sleep(0.5)
+    return None
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one setup: hit rate over all of them, TTFT percentiles over every turn of every run."""
+    hits, queries = sum(r["prefix_hits"] for r in runs), sum(r["prefix_queries"] for r in runs)
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "num_errors": sum(r["num_errors"] for r in runs),
+        **percentiles([t / 1e3 for r in runs for t in r["ttfts_ms"]]),
+        "runs": runs,
     }
 
 
@@ -245,6 +266,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=192, help="KV cache blocks of 16 tokens per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--probes", type=int, default=22, help="requests of the overhead probe")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each router, in rounds")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/replicas-cpu.json"))
     args = ap.parse_args()
     engine = {
@@ -265,11 +287,20 @@ def main() -> int:
         with LocalServer([*flags, "--max-num-seqs", str(args.max_num_seqs)]) as alone:
             probes = asyncio.run(probe_ttft([alone.url, url], args.probes))
         result["alone"] = {"probe": probes[0]}
-        result["one_replica"] = {"probe": probes[1], "workload": asyncio.run(run_workload(url, *work))}
-        for router in ("kv", "pow2", "prefix-affinity"):
-            url = deploy(engine, 2, router)
-            result[router] = asyncio.run(run_workload(url, *work))
-            print(router, result[router], file=sys.stderr, flush=True)
+        result["one_replica"] = {
+            "probe": probes[1],
+            "workload": pooled([asyncio.run(run_workload(url, *work))]),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
+        for _ in range(
+            args.repeats
+        ):  # in rounds, so that the machine's other load falls on every router alike
+            for router in ROUTERS:
+                url = deploy(engine, 2, router)
+                runs[router].append(asyncio.run(run_workload(url, *work)))
+                summary = {k: v for k, v in runs[router][-1].items() if k != "ttfts_ms"}
+                print(router, summary, file=sys.stderr, flush=True)
+        result.update({router: pooled(r) for router, r in runs.items()})
         url = deploy(engine, 2, "kv")
         result["failure"] = asyncio.run(kill_under_load(url, 16))
     finally:
@@ -288,7 +319,7 @@ def report(r: dict[str, Any]) -> None:
         "KV blocks per replica, default model on the CPU"
     )
     print(f"{'setup':<34}{'hit rate':>9}{'of 1 replica':>14}{'TTFT p50':>10}{'TTFT p99':>10}{'errors':>8}")
-    rows = [("1 replica", one)] + [(f"2 replicas, {k}", r[k]) for k in ("kv", "pow2", "prefix-affinity")]
+    rows = [("1 replica", one)] + [(f"2 replicas, {k}", r[k]) for k in ROUTERS]
     for name, w in rows:
         share = w["hit_rate"] / one["hit_rate"] if one["hit_rate"] else float("nan")
         print(
@@ -299,8 +330,9 @@ def report(r: dict[str, Any]) -> None:
     print(
         f"\nreplica killed under load: {f['requests']} streams, {f['completed']} completed, "
         f"{f['cut_mid_stream']} cut mid-stream ({f['cut_with_error_event']} with the error event), "
-        f"{f['lost_not_begun']} lost before their first byte; every stream ended {f['all_ended_s']} s after "
-        f"the kill; replaced after {f['replaced_after_s']} s"
+        f"{f['lost_not_begun']} lost before their first byte; the cut streams ended {f['last_cut_stream_end_s']} s "
+        f"after the kill, the last request {f['last_request_end_s']} s after; replaced after "
+        f"{f['replaced_after_s']} s"
     )
     a, o = r["alone"]["probe"], r["one_replica"]["probe"]
     print(

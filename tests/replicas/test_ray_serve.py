@@ -179,3 +179,19 @@ def test_serve_replicas_flags_build_the_app(url: str, monkeypatch: pytest.Monkey
     assert args["server"]["api_key"] == "k" and args["engine"]["max_model_len"] == 256
     app = build_app(args)  # what serve.run would deploy (Ray is up: the module's fixture)
     assert app is not None
+
+
+def test_the_config_file_is_a_valid_serve_config(url: str) -> None:
+    """deploy/ray-serve.yaml parses as Ray Serve's config schema, and its args build the application."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from tinypaged.replicas.app import build_app
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "ray-serve.yaml").read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    (app,) = config.applications
+    assert app.import_path == "tinypaged.replicas.app:build_app"
+    assert build_app(app.args) is not None

@@ -1,10 +1,12 @@
 """What the router knows, without Ray: a chat request's routing key is the engine's own block hashes (its prefix-
-cache events, replayed, hold every key of the prompt once it ran), and replicas' metrics merge per replica."""
+cache events, sent as the core process sends them and replayed, hold every key of the prompt once it ran), and
+replicas' metrics merge per replica."""
 
 from __future__ import annotations
 
 import json
 
+from tinypaged.engine.frontend.wire import Outputs, decode, encode
 from tinypaged.replicas.metrics import merge_expositions
 from tinypaged.replicas.routing import CachedBlocks, longest_prefix, prompt_block_keys, route_key
 from tinypaged.sampling_params import SamplingParams
@@ -24,8 +26,10 @@ def test_route_key_is_what_the_engine_caches(llm, generate_with_stats) -> None: 
     _, steps = generate_with_stats(
         engine, [{"prompt": text, "prompt_token_ids": ids}], [SamplingParams(max_tokens=3, temperature=0.0)]
     )
-    for stats in steps:
-        cached.apply(stats.kv_events)
+    for stats in steps:  # as the core process sends them (wire.py), so both transports carry the events
+        received = decode(encode(Outputs(applied=1, outputs=[], stats=engine.stats(), step=stats)))
+        assert isinstance(received, Outputs) and received.step is not None
+        cached.apply(received.step.kv_events)
     assert longest_prefix(keys, cached.keys) == len(keys)
     # The same prompt with another system message shares no leading block.
     other = prompt_block_keys(engine.tokenizer.encode(text.replace("one word", "two words"), False), 16)

@@ -30,14 +30,14 @@ ROUTERS = {
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
     ),
 }
-# PrefixCacheAffinityRouter as Ray's "Prefix-aware routing" guide configures it.
+# PrefixCacheAffinityRouter as the example of Ray Serve LLM's "Prefix-aware routing" guide configures it.
 PREFIX_AFFINITY_KWARGS = {
     "imbalanced_threshold": 5,
-    "match_rate_threshold": 0.1,
+    "match_rate_threshold": 0.15,
     "do_eviction": True,
     "eviction_threshold_chars": 500_000,
     "eviction_target_chars": 400_000,
-    "eviction_interval_secs": 10,
+    "eviction_interval_secs": 30,
 }
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its cached blocks to the routers
 MAX_ONGOING = 128  # requests a replica takes at once (its engine batches them; more wait in the router)

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from tinypaged import __version__
@@ -89,7 +90,7 @@ def serve_replicas(args: dict[str, Any], host: str, port: int, address: str | No
         None if address else max(os.cpu_count() or 1, most + 1)
     )  # one logical CPU a replica, beside the rest
     url = run(args, host, port, address, cpus)
-    name = (args.get("server") or {}).get("served_model_name") or "the model"
+    name = (args.get("server") or {}).get("served_model_name") or Path(args["engine"]["model"]).name
     print(
         f"tinypaged {__version__} serving {name} on {url} ({args.get('replicas')} replicas, Ray Serve)",
         flush=True,

@@ -89,7 +89,10 @@ class EngineReplica:
         early (the client gone) closes the connection, which aborts the request in the engine as a client
         leaving `tinypaged serve` does."""
         url = f"http://replica{route.path}" + (f"?{route.query}" if route.query else "")
-        headers = [(k, v) for k, v in route.headers if k.lower() not in HOP_BY_HOP | {"content-length"}]
+        drop = HOP_BY_HOP | {
+            "content-length"
+        }  # the body may have been cut short (ingress.py): its own length
+        headers = [(k, v) for k, v in route.headers if k.lower() not in drop]
         async with self.session.request(
             route.method, url, headers=headers, data=route.body or None, skip_auto_headers=("User-Agent",)
         ) as resp:

@@ -35,13 +35,15 @@ class KVAwareRouter(RequestRouter):
 
     def initialize_state(
         self,
-        running_cost_blocks: float = 1.0,
-        waiting_cost_blocks: float = 16.0,
+        running_cost_blocks: float = 0.5,
+        waiting_cost_blocks: float = 2.0,
         full_cost_blocks: float = 16.0,
-        max_imbalance: int = 8,
+        max_imbalance: int = 5,
         claim_ttl_s: float = 120.0,
     ) -> None:
-        """The score's weights (request_router_kwargs)."""
+        """The score's weights (request_router_kwargs). The defaults favour the cache strongly: measured on
+        replicas sharing two CPU cores (benchmarks/replicas.py), where sending a request away from its blocks buys
+        no compute and costs their prefill; replicas with GPUs of their own may want a higher waiting cost."""
         self.running_cost_blocks = running_cost_blocks
         self.waiting_cost_blocks = waiting_cost_blocks
         self.full_cost_blocks = full_cost_blocks
