@@ -194,7 +194,7 @@ async def kill_under_load(url: str, n: int) -> dict[str, Any]:
         names = replica_actors()
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
         killed = time.monotonic()
-        replaced = asyncio.create_task(replacement(http, url, names[0], killed))
+        replaced = asyncio.create_task(replacement(names, killed))
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
         replaced_s = await replaced
     cut = [r for r in out if not r["finished"] and r["chunks"] > 0]
@@ -220,14 +220,16 @@ def replica_actors() -> list[str]:
     ]
 
 
-async def replacement(http: aiohttp.ClientSession, url: str, dead: str, since: float) -> float | None:
-    """Seconds from `since` until Serve has a replica in place of `dead` and the application is healthy."""
+async def replacement(before: list[str], since: float) -> float | None:
+    """Seconds from `since` until Serve runs a new replica (a name not in `before`) and two replicas run."""
+    from ray import serve
+
     while time.monotonic() - since < 180:
-        now = replica_actors()
-        if len(now) == 2 and dead not in now:
-            async with http.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return time.monotonic() - since
+        app = serve.status().applications.get(launch.APP_NAME)
+        states = app.deployments["EngineReplica"].replica_states if app is not None else {}
+        running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+        if running == 2 and set(replica_actors()) - set(before):
+            return time.monotonic() - since
         await asyncio.sleep(0.5)
     return None
 
@@ -265,7 +267,7 @@ def main() -> int:
     ap.add_argument("--think-s", type=float, default=2.0, help="a user's pause before each turn: 0 to this")
     ap.add_argument("--blocks", type=int, default=192, help="KV cache blocks of 16 tokens per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--probes", type=int, default=22, help="requests of the overhead probe")
+    ap.add_argument("--probes", type=int, default=42, help="requests of the overhead probe (2 warm up)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router, in rounds")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/replicas-cpu.json"))
     args = ap.parse_args()
