@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# The test extras and Ray Serve (the `ray` extra: tests/replicas/ start Ray on the CPU).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $@
 
 setup: $(VENV)/.installed

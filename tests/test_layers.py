@@ -117,11 +117,19 @@ def test_core_is_pure(graph: dict[str, set[str]]) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["tinypaged.server.app", "tinypaged.engine.frontend.client", "tinypaged.config"]
+    "module",
+    [
+        "tinypaged.server.app",
+        "tinypaged.engine.frontend.client",
+        "tinypaged.config",
+        "tinypaged.replicas.ingress",
+        "tinypaged.replicas.router",
+    ],
 )
 def test_no_torch_behind(import_graph: dict[str, set[str]], module: str) -> None:
     """Importing the server loads no torch: it talks to the engine through the client protocol and never
-    touches tensors; the config stays light too (`tinypaged --help` builds its flags from it)."""
+    touches tensors; the config stays light too (`tinypaged --help` builds its flags from it); so do the Ray
+    Serve ingress and its router, which tokenize and route but hold no model."""
     reach = _reach(import_graph, module)
     assert "torch" not in reach, (
         f"{module} reaches torch through {sorted(n for n in reach if 'tinypaged' in n)}"

@@ -61,8 +61,30 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--engine-stall-timeout must be 0 (off) or positive, not {args.engine_stall_timeout}"
         )
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_replicas(args, engine_config, server_config)
     engine = ProcessEngine if args.engine_process else AsyncEngine
     return serve(lambda: engine(engine_config, stall_timeout=args.engine_stall_timeout), server_config)
+
+
+def _serve_replicas(args: argparse.Namespace, engine_config: EngineConfig, server_config: typing.Any) -> int:
+    """`serve --replicas N`: the same server in N replicas behind Ray Serve (tinypaged/replicas/)."""
+    try:
+        from tinypaged.replicas.launch import serve_replicas
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve: pip install -e '.[ray]' ({e})") from e
+    limits = ("api_key", "served_model_name", "max_queue_len", "max_body_bytes", "shutdown_timeout")
+    app_args = {
+        "engine": _engine_args(args) | {"model": str(engine_config.model_config.path)},
+        "server": {k: getattr(server_config, k) for k in limits},
+        "replicas": args.replicas or 1,
+        "max_replicas": args.max_replicas,
+        "router": args.router,
+        "engine_process": args.engine_process,
+        "engine_stall_timeout": args.engine_stall_timeout,
+    }
+    app_args["engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in app_args["engine"].items()}
+    return serve_replicas(app_args, args.host, args.port, args.ray_address)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -183,6 +205,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the engine may go without a step while it has work (or its core process without a "
         "heartbeat) before it is declared stalled: /health answers 503 naming it and its requests fail, until it "
         "steps again (0: never)",
+    )
+    srv.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N replicas of the engine behind Ray Serve, routed by what each one's prefix cache holds "
+        "(needs the `ray` extra; docs/replicas.md)",
+    )
+    srv.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="with --replicas: autoscale between --replicas and this many on queue depth (Ray Serve autoscaling)",
+    )
+    srv.add_argument(
+        "--router",
+        default="kv",
+        choices=("kv", "pow2", "prefix-affinity"),
+        help="with --replicas: kv (longest cached prefix against load), pow2 (power of two choices), or "
+        "prefix-affinity (Ray Serve LLM's PrefixCacheAffinityRouter)",
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --replicas: join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting Ray here",
     )
     srv.set_defaults(func=_serve)
 

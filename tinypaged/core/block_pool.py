@@ -1,4 +1,5 @@
-"""Physical KV blocks: reference counts, a free queue, and the prefix cache of full blocks."""
+"""Physical KV blocks: reference counts, a free queue, and the prefix cache of full blocks, whose changes it
+records as events (vLLM's KV events: a hash stored, removed, or every hash cleared) for a router to follow."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 BlockHash = bytes
 HashFn = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
@@ -19,6 +21,14 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...])
     h = hashlib.sha256(parent_hash or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+class BlockEvent(NamedTuple):
+    """One change to the prefix cache's map: a block hash `stored` (now findable) or `removed` (evicted), or the
+    whole map `cleared` (block_hash None). Replaying a pool's events from its start gives its cached hashes."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    block_hash: BlockHash | None
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +70,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._next_content_id = 0
         self.num_evictions = 0
+        # Changes to the cache map since the last take_events(); the engine takes them every step, so at most a
+        # step's worth wait here.
+        self._events: list[BlockEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +87,15 @@ class BlockPool:
     def free_queue(self) -> tuple[int, ...]:
         """The free block ids in the order allocate() hands them out (cached ones last, least recent first)."""
         return tuple(self._free)
+
+    def cached_hashes(self) -> frozenset[BlockHash]:
+        """The block hashes the prefix cache maps now (held blocks and free ones not yet evicted)."""
+        return frozenset(self._cached)
+
+    def take_events(self) -> list[BlockEvent]:
+        """The changes to the cache map since the last call, oldest first; the pool forgets them."""
+        events, self._events = self._events, []
+        return events
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold this block."""
@@ -94,6 +116,7 @@ class BlockPool:
         if block.block_hash is not None:
             # Lazy eviction: the content stayed findable until now, when the slot is needed.
             del self._cached[block.block_hash]
+            self._events.append(BlockEvent("removed", block.block_hash))
             block.block_hash = block.parent_id = block.token_ids = None
             self.num_evictions += 1
         block.ref_count = 1
@@ -108,6 +131,8 @@ class BlockPool:
         for block_id in self._cached.values():
             block = self.blocks[block_id]
             block.block_hash = block.parent_id = block.token_ids = None
+        if self._cached:
+            self._events.append(BlockEvent("cleared", None))
         self._cached.clear()
         return True
 
@@ -162,6 +187,7 @@ class BlockPool:
             return block.content_id
         block.block_hash, block.parent_id, block.token_ids = block_hash, parent_id, token_ids
         self._cached[block_hash] = block_id
+        self._events.append(BlockEvent("stored", block_hash))
         return block.content_id
 
     def check_integrity(self, expected_refs: Mapping[int, int]) -> None:

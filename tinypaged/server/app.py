@@ -70,6 +70,8 @@ class ServerConfig:
     # or idle between requests, before the server closes it; and seconds a request's body may take to arrive
     # (408 after).
     idle_timeout: float = 75.0
+    # Listen on this Unix socket instead of host:port (a Ray Serve replica: its ingress is the only client).
+    unix_socket: str | None = None
 
 
 SERVING: web.AppKey[OpenAIServing] = web.AppKey("serving", OpenAIServing)
@@ -171,7 +173,7 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(unexpected_error(request))
 
 
-def _authorized(header: str, key: str) -> bool:
+def authorized(header: str, key: str) -> bool:
     """Whether an `Authorization` header carries `key` as a Bearer token (RFC 7235: the scheme is
     case-insensitive). Any header is compared, never decoded: aiohttp hands bytes that are not UTF-8 over as
     surrogates, which go back to the same bytes here."""
@@ -187,7 +189,7 @@ async def gate_middleware(request: web.Request, handler: Handler) -> web.StreamR
     while draining."""
     key = request.app[CONFIG].api_key
     if key is not None and request.path not in PUBLIC_PATHS:
-        if not _authorized(request.headers.get("Authorization", ""), key):
+        if not authorized(request.headers.get("Authorization", ""), key):
             raise APIError(
                 401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
             )
@@ -376,7 +378,8 @@ class _Server(web.Server):
 
 
 async def start_server(engine: EngineClient, config: ServerConfig) -> tuple[web.AppRunner, str]:
-    """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free)."""
+    """Build the app, start the engine and listen; returns the runner and the base URL (port 0: any free;
+    `unix:PATH` on a Unix socket)."""
     app = build_app(engine, config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # keepalive_timeout: aiohttp starts it when a connection opens and again after each response, so it closes
@@ -398,6 +401,9 @@ async def start_server(engine: EngineClient, config: ServerConfig) -> tuple[web.
     await runner.setup()
     assert type(runner.server) is web.Server  # the class swapped below: the same object, its connections ours
     runner.server.__class__ = _Server
+    if config.unix_socket is not None:
+        await web.UnixSite(runner, config.unix_socket).start()
+        return runner, f"unix:{config.unix_socket}"
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     host, port = runner.addresses[0][:2]

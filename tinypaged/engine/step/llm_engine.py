@@ -240,7 +240,10 @@ class LLMEngine:
         timer.stop()
         graph = executed.graph if executed is not None else None
         kv = self.kv.num_free_gpu_blocks, self.scheduler.running, self.kv  # as the step leaves them
-        stats = StepStats.of(index, sched, graph, queued, applied, outputs, timer, preempted_pending, *kv)
+        events = tuple(self.kv.gpu_pool.take_events())
+        stats = StepStats.of(
+            index, sched, graph, queued, applied, outputs, timer, preempted_pending, *kv, kv_events=events
+        )
         return StepResult(outputs, stats)
 
     def _apply_step(self, step: QueuedStep, outputs: list[RequestOutput], applied: list[QueuedStep]) -> None:

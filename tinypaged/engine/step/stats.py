@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tinypaged.core.block_pool import BlockEvent
 from tinypaged.core.kv_cache_manager import CacheSnapshot
 from tinypaged.outputs import RequestOutput
 
@@ -95,6 +96,9 @@ class StepStats:
     num_internal_waste_slots: int = 0
     largest_free_extent: int = 0
     num_external_free_blocks: int = 0
+    # The prefix cache's changes since the last step's (block hashes stored, removed, or all cleared), in
+    # order: a subscriber that replays every step's holds the cached hashes (a KV-aware router's view).
+    kv_events: tuple[BlockEvent, ...] = ()
 
     @classmethod
     def of(
@@ -110,6 +114,7 @@ class StepStats:
         num_free_blocks: int,
         running: Iterable[SequenceGroup],
         kv: KVCacheManager | None = None,
+        kv_events: tuple[BlockEvent, ...] = (),
     ) -> StepStats:
         """A finished step's statistics: its schedule, the graph its forward pass replayed (None: it ran no
         forward pass), the step it queued, the steps it applied, its outputs, its timer, and after it the
@@ -162,6 +167,7 @@ class StepStats:
             num_internal_waste_slots=internal,
             largest_free_extent=largest,
             num_external_free_blocks=num_free_blocks - largest,
+            kv_events=kv_events,
         )
 
 

@@ -1,0 +1,347 @@
+"""Replicas behind Ray Serve on the CPU (docs/replicas.md): the KV-aware router against power of two choices and
+Ray Serve LLM's PrefixCacheAffinityRouter, one replica's own prefix-cache hit rate, a replica killed under load,
+and one replica behind Ray against `tinypaged serve` alone. One call prints the table and writes the JSON.
+
+    python3 benchmarks/replicas.py --json benchmarks/results/replicas-cpu.json
+
+The workload ("multi-turn chat", defined here and in docs/replicas.md): `--sessions` chats run at once, each of
+`--turns` turns; every chat opens with the same system prompt (186 tokens); each turn, after the user's think
+time (uniform in 0 to `--think-s`, the same draws for every setup), adds a user message of about 25 tokens and
+asks for a reply of `--reply-tokens` tokens (greedy, ignore_eos), sending the whole history, so a turn's prompt
+is its chat's last prompt and reply plus its new message. Each replica's KV cache holds `--blocks` blocks of 16
+tokens: fewer than all the chats' histories need, so a replica serving every chat evicts, and more than half of
+them need. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at admission (the
+engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tinypaged.replicas import launch
+from tinypaged.server.local import LocalServer
+
+PORT = 8947
+ROUTERS = ("kv", "pow2", "prefix-affinity")
+SYSTEM = (
+    "You are a careful assistant for a shipping company. You answer questions about routes, cargo, ports, "
+    "weather and schedules. Keep every answer short and precise, say when you do not know, never invent a "
+    "vessel name or a port, quote distances in nautical miles and times in UTC, and when a question is about "
+    "safety, tell the user to contact the harbour master. The company operates container ships between "
+    "Rotterdam, Hamburg, Antwerp, Le Havre, Felixstowe, Algeciras, Genoa, Piraeus and Valencia, and bulk "
+    "carriers between Narvik, Gdansk and Bilbao. Today is a normal working day."
+)
+TOPICS = ("cargo", "weather", "routes", "ports", "crew", "fuel", "customs", "insurance", "repairs", "tides")
+
+
+def sessions(n: int, turns: int) -> list[list[str]]:
+    """Each chat's user messages."""
+    return [
+        [
+            f"Chat {i}, question {t}: about {TOPICS[i % len(TOPICS)]} on the line {i} between two of our ports, "
+            f"what should the planner check first on day {t} of the voyage?"
+            for t in range(turns)
+        ]
+        for i in range(n)
+    ]
+
+
+async def chat(
+    http: aiohttp.ClientSession,
+    url: str,
+    users: list[str],
+    reply_tokens: int,
+    think: list[float],
+    out: dict[str, list],
+) -> None:
+    """One chat's turns in order, each sending the whole history after the user's think time; TTFT of each turn
+    into `out`."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    for text, pause in zip(users, think, strict=True):
+        await asyncio.sleep(pause)
+        messages.append({"role": "user", "content": text})
+        body = {
+            "messages": messages,
+            "max_tokens": reply_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        start, ttft, reply = time.monotonic(), None, []
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                out["errors"].append(f"{resp.status}: {await resp.text()}")
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                ttft = ttft if ttft is not None else time.monotonic() - start
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["errors"].append(event["error"]["message"])
+                    return
+                reply.append(event["choices"][0]["delta"].get("content") or "")
+        out["ttft"].append(ttft)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+async def run_workload(url: str, n: int, turns: int, reply_tokens: int, think_s: float) -> dict[str, Any]:
+    """Every chat at once; TTFT percentiles, errors, and the hit rate from the replicas' counters."""
+    out: dict[str, list] = {"ttft": [], "errors": []}
+    before = await prefix_counters(url)
+    t0 = time.monotonic()
+    rng = random.Random(0)  # the same think times for every setup
+    chats = [(users, [rng.uniform(0, think_s) for _ in users]) for users in sessions(n, turns)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(chat(http, url, users, reply_tokens, think, out) for users, think in chats))
+    wall = time.monotonic() - t0
+    await asyncio.sleep(2.5)  # the replicas post their metrics every second
+    after = await prefix_counters(url)
+    hits, queries = after[0] - before[0], after[1] - before[1]
+    return {
+        "turns": len(out["ttft"]),
+        "ttfts_ms": [round(t * 1e3, 1) for t in out["ttft"]],
+        "errors": out["errors"][:5],
+        "num_errors": len(out["errors"]),
+        "wall_s": round(wall, 2),
+        "hit_rate": hits / queries if queries else 0.0,
+        "prefix_hits": hits,
+        "prefix_queries": queries,
+        **percentiles(out["ttft"]),
+    }
+
+
+def percentiles(ttfts: list[float]) -> dict[str, float]:
+    """TTFT p50 and p99 in milliseconds."""
+    if not ttfts:
+        return {"ttft_p50_ms": float("nan"), "ttft_p99_ms": float("nan")}
+    q = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else [ttfts[0]] * 99
+    return {"ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1), "ttft_p99_ms": round(q[98] * 1e3, 1)}
+
+
+async def prefix_counters(url: str) -> tuple[float, float]:
+    """Prefix-cache hits and queries, summed over every replica's samples of /metrics."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    sums = {"tinypaged:prefix_cache_hits_total": 0.0, "tinypaged:prefix_cache_queries_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in sums:
+            sums[name] += float(line.split()[-1])
+    return sums["tinypaged:prefix_cache_hits_total"], sums["tinypaged:prefix_cache_queries_total"]
+
+
+async def probe_ttft(urls: list[str], n: int) -> list[dict[str, float]]:
+    """TTFT of `n` short streamed completions one after another on each server, taking turns (so that the
+    machine's other load falls on both alike): what the serving path adds, mostly."""
+    ttfts: list[list[float]] = [[] for _ in urls]
+    async with aiohttp.ClientSession() as http:
+        for i in range(n):
+            for url, times in zip(urls, ttfts, strict=True):
+                body = {"prompt": f"Probe {i}: the capital of France is", "max_tokens": 2, "stream": True}
+                start = time.monotonic()
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            times.append(time.monotonic() - start)
+                            break
+                    await resp.read()
+    return [percentiles(times[2:]) for times in ttfts]  # the first two warm the path
+
+
+async def stream_once(http: aiohttp.ClientSession, url: str, i: int, out: list[dict[str, Any]]) -> None:
+    """One long stream for the failure run: its chunks before an error event, how it ended, when."""
+    body = {"prompt": f"Load {i}: tell a long story about ships", "max_tokens": 48, "ignore_eos": True}
+    rec: dict[str, Any] = {"chunks": 0, "error": None, "finished": False, "status": None}
+    try:
+        async with http.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            rec["status"] = resp.status
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    rec["error"] = event["error"]["code"]
+                elif event["choices"][0]["finish_reason"]:
+                    rec["finished"] = True
+                else:
+                    rec["chunks"] += 1
+    except Exception as e:  # noqa: BLE001 - recorded: a lost request
+        rec["error"] = repr(e)
+    rec["end"] = time.monotonic()
+    out.append(rec)
+
+
+async def kill_under_load(url: str, n: int) -> dict[str, Any]:
+    """`n` streams at once on two replicas; one replica killed 3 s in. Lost: a request that failed without a
+    byte of its answer (those must go to the other replica); cut: a stream begun on the dead replica."""
+    import ray
+
+    out: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        tasks = [asyncio.create_task(stream_once(http, url, i, out)) for i in range(n)]
+        await asyncio.sleep(3.0)
+        names = replica_actors()
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        replaced = asyncio.create_task(replacement(names, killed))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+        replaced_s = await replaced
+    cut = [r for r in out if not r["finished"] and r["chunks"] > 0]
+    lost = [r for r in out if not r["finished"] and r["chunks"] == 0]
+    return {
+        "requests": n,
+        "completed": sum(r["finished"] for r in out),
+        "cut_mid_stream": len(cut),
+        "cut_with_error_event": sum(r["error"] == "replica_unavailable" for r in cut),
+        "lost_not_begun": len(lost),
+        "last_cut_stream_end_s": round(max((r["end"] - killed for r in cut), default=0.0), 2),
+        "last_request_end_s": round(max(r["end"] for r in out) - killed, 2),
+        "replaced_after_s": round(replaced_s, 1) if replaced_s is not None else None,
+    }
+
+
+def replica_actors() -> list[str]:
+    """The names of the engine replicas' actors now."""
+    import ray
+
+    return [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]
+    ]
+
+
+async def replacement(before: list[str], since: float) -> float | None:
+    """Seconds from `since` until Serve runs a new replica (a name not in `before`) and two replicas run."""
+    from ray import serve
+
+    while time.monotonic() - since < 180:
+        app = serve.status().applications.get(launch.APP_NAME)
+        states = app.deployments["EngineReplica"].replica_states if app is not None else {}
+        running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+        if running == 2 and set(replica_actors()) - set(before):
+            return time.monotonic() - since
+        await asyncio.sleep(0.5)
+    return None
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one setup: hit rate over all of them, TTFT percentiles over every turn of every run."""
+    hits, queries = sum(r["prefix_hits"] for r in runs), sum(r["prefix_queries"] for r in runs)
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "num_errors": sum(r["num_errors"] for r in runs),
+        **percentiles([t / 1e3 for r in runs for t in r["ttfts_ms"]]),
+        "runs": runs,
+    }
+
+
+def deploy(engine: dict[str, Any], replicas: int, router: str) -> str:
+    """(Re)deploy the application on the running Serve; its URL once healthy."""
+    from ray import serve
+
+    from tinypaged.replicas.app import build_app
+
+    args = {"engine": engine, "replicas": replicas, "router": router, "engine_process": False}
+    serve.run(build_app(args), name=launch.APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{PORT}"
+    launch.wait_healthy(url, 600)
+    time.sleep(1.0)  # the routers' first routing stats
+    return url
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=2.0, help="a user's pause before each turn: 0 to this")
+    ap.add_argument("--blocks", type=int, default=192, help="KV cache blocks of 16 tokens per replica")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--probes", type=int, default=42, help="requests of the overhead probe (2 warm up)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each router, in rounds")
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/replicas-cpu.json"))
+    args = ap.parse_args()
+    engine = {
+        "max_model_len": 1024,
+        "num_gpu_blocks_override": args.blocks,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    flags = ["--no-engine-process", "--max-model-len", "1024", "--num-gpu-blocks-override", str(args.blocks)]
+    result: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "engine": engine}
+
+    from ray import serve
+
+    work = (args.sessions, args.turns, args.reply_tokens, args.think_s)
+    launch.start_ray(None, num_cpus=2)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        url = deploy(engine, 1, "kv")
+        with LocalServer([*flags, "--max-num-seqs", str(args.max_num_seqs)]) as alone:
+            probes = asyncio.run(probe_ttft([alone.url, url], args.probes))
+        result["alone"] = {"probe": probes[0]}
+        result["one_replica"] = {
+            "probe": probes[1],
+            "workload": pooled([asyncio.run(run_workload(url, *work))]),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
+        for _ in range(
+            args.repeats
+        ):  # in rounds, so that the machine's other load falls on every router alike
+            for router in ROUTERS:
+                url = deploy(engine, 2, router)
+                runs[router].append(asyncio.run(run_workload(url, *work)))
+                summary = {k: v for k, v in runs[router][-1].items() if k != "ttfts_ms"}
+                print(router, summary, file=sys.stderr, flush=True)
+        result.update({router: pooled(r) for router, r in runs.items()})
+        url = deploy(engine, 2, "kv")
+        result["failure"] = asyncio.run(kill_under_load(url, 16))
+    finally:
+        launch.stop()
+    report(result)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def report(r: dict[str, Any]) -> None:
+    """The table."""
+    one = r["one_replica"]["workload"]
+    print(
+        f"\nmulti-turn chat: {r['args']['sessions']} chats x {r['args']['turns']} turns, {r['args']['blocks']} "
+        "KV blocks per replica, default model on the CPU"
+    )
+    print(f"{'setup':<34}{'hit rate':>9}{'of 1 replica':>14}{'TTFT p50':>10}{'TTFT p99':>10}{'errors':>8}")
+    rows = [("1 replica", one)] + [(f"2 replicas, {k}", r[k]) for k in ROUTERS]
+    for name, w in rows:
+        share = w["hit_rate"] / one["hit_rate"] if one["hit_rate"] else float("nan")
+        print(
+            f"{name:<34}{w['hit_rate']:>9.1%}{share:>14.0%}{w['ttft_p50_ms']:>8.0f}ms{w['ttft_p99_ms']:>8.0f}ms"
+            f"{w['num_errors']:>8}"
+        )
+    f = r["failure"]
+    print(
+        f"\nreplica killed under load: {f['requests']} streams, {f['completed']} completed, "
+        f"{f['cut_mid_stream']} cut mid-stream ({f['cut_with_error_event']} with the error event), "
+        f"{f['lost_not_begun']} lost before their first byte; the cut streams ended {f['last_cut_stream_end_s']} s "
+        f"after the kill, the last request {f['last_request_end_s']} s after; replaced after "
+        f"{f['replaced_after_s']} s"
+    )
+    a, o = r["alone"]["probe"], r["one_replica"]["probe"]
+    print(
+        f"overhead: TTFT p50 {a['ttft_p50_ms']:.1f} ms alone, {o['ttft_p50_ms']:.1f} ms behind Ray "
+        f"(+{o['ttft_p50_ms'] - a['ttft_p50_ms']:.1f} ms)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
