@@ -141,8 +141,7 @@ def _gemv_step(
 
 @triton.jit
 def _dot_step(acc, x, w, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
-    """acc + x `[M, k]` dotted with w `[N, k]` on the tensor cores: `[M, N]`, or `[N, M]` (SWAP_AB). One return
-    at the end: the compiler visits statements after an early return too."""
+    """acc + x `[M, k]` . w `[N, k]` on the tensor cores: `[M, N]`, or `[N, M]` (SWAP_AB); one return."""
     if SWAP_AB:
         a = w
         b = tl.trans(x)
