@@ -92,7 +92,8 @@ EAGER = GraphChoice()
 class ExecuteOutput:
     """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
 
-    logits: torch.Tensor  # [S, vocab] in the model's dtype: each sampling sequence's last new token, in order
+    # [S, vocab] in the model's dtype: each sampling sequence's last new token (a verification's last k + 1)
+    logits: torch.Tensor
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     graph: GraphChoice = EAGER  # the CUDA graph the forward pass replayed
