@@ -92,9 +92,10 @@ class OracleProposer:
 
     def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
         """The reference's next k tokens, each replaced by a wrong token with probability 1 - alpha."""
-        return [Proposal(self.corrupt(self._next(seq, k))) for _, seq, k in batch]
+        return [Proposal(self.corrupt(self.reference(seq, k))) for _, seq, k in batch]
 
-    def _next(self, seq: Sequence, k: int) -> list[int]:
+    def reference(self, seq: Sequence, k: int) -> list[int]:
+        """The next (up to) k tokens of the sequence's reference; [] when it has none or left it."""
         ref = self._refs.get(tuple(seq.token_ids[: seq.prompt_len]))
         done = len(seq.token_ids) - seq.prompt_len
         if ref is None or ref[:done] != seq.token_ids[seq.prompt_len :]:

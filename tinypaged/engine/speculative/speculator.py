@@ -99,7 +99,7 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.totals = SpecCounters()
-        self.enabled = True  # whether the last step speculated (disable_by_batch_size)
+        self.enabled = spec is not None  # whether this step speculates (disable_by_batch_size)
         self._proposed: list[Sequence] = []
         self._q: dict[int, torch.Tensor] = {}
 

@@ -385,7 +385,11 @@ class LLMEngine:
         spec = batch.verify(self.sampler, logits, fail, index)
         self.speculator.verified((len(d.spec), v) for _, d, v in spec)
         token, score = batch.token.draws, batch.score.draws
-        deferred = self.async_scheduling and not batch.spec and all(d.defer for _, d in token + score)
+        deferred = (
+            self.async_scheduling
+            and not self.speculator.enabled  # the next proposals need this step's tokens on the host
+            and all(d.defer for _, d in token + score)
+        )
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
