@@ -100,13 +100,14 @@ class Speculator:
         self.max_model_len = max_model_len
         self.totals = SpecCounters()
         self.enabled = spec is not None  # whether this step speculates (disable_by_batch_size)
+        self.active = True  # False: never speculate (benchmarks time one engine with and without)
         self._proposed: list[Sequence] = []
         self._q: dict[int, torch.Tensor] = {}
 
     def propose(self, scheduler: Scheduler, requests: Mapping[str, Request]) -> None:
         """Give each eligible decoding sequence of the scheduler's running groups its proposal
         (`spec_token_ids`), unless more requests run or wait than disable_by_batch_size."""
-        if self.spec is None or self.proposer is None:
+        if self.spec is None or self.proposer is None or not self.active:
             self.enabled = False
             return
         limit = self.spec.disable_by_batch_size
