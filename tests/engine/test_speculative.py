@@ -12,6 +12,7 @@ import pytest
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.errors import ConfigError, RequestError
+from tinypaged.sampling_params import StructuredOutputsParams
 
 TEXT = (
     "The river runs past the old mill, under the stone bridge, and into the quiet valley where the farmers "
@@ -166,3 +167,23 @@ def test_draft_model_proposer(run, tmp_path: Path, tiny_hf_model) -> None:  # no
     proposer = llm.engine.speculator.proposer
     proposer.kv.check_integrity()
     assert not proposer._mirror or all(b.ref_count >= 0 for b in proposer.kv.gpu_pool.blocks)
+
+
+def test_structured_outputs_speculate_and_roll_back(run, spec_llm: LLM, llm: LLM) -> None:
+    """A grammar masks every verified position, its matcher advanced through the proposals and rolled back:
+    greedy output equal to the engine's without speculation, proposals both accepted and refused."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "tags"],
+    }
+    prompts = ['JSON: {"name": "abc", "tags": ["abc", "abc"]}. Again:']
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    want = llm.generate(prompts, params)[0].outputs[0]
+    outs, steps = run(spec_llm, prompts, [params])
+    assert outs[0].outputs[0].token_ids == want.token_ids and outs[0].error is None
+    drafted = sum(s.num_draft_tokens for s in steps)
+    assert 0 < sum(s.num_accepted_tokens for s in steps) < drafted
+    assert sum(s.num_constrained for s in steps) > 0

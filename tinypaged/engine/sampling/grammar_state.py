@@ -131,13 +131,18 @@ class GrammarState:
                 continue
             rows[row], owners[row] = matcher, req
             count += 1
-        if not rows:
+        spec = self._spec_draws(batch, live, fail, owners)
+        if not rows and not spec:
             return count, 0.0
         cuda = logits.device.type == "cuda"
-        bitmask = torch.empty((len(rows), bitmask_width(logits.shape[1])), dtype=torch.int32, pin_memory=cuda)
+        width = bitmask_width(logits.shape[1])
+        bitmask = torch.empty((len(rows) + len(spec), width), dtype=torch.int32, pin_memory=cuda)
         t0 = time.perf_counter()
-        self.compiler.fill_bitmask(list(rows.values()), bitmask)
+        self.compiler.fill_bitmask(list(rows.values()), bitmask[: len(rows)])
+        self._fill_spec(spec, bitmask[len(rows) :])
         mask_s = time.perf_counter() - t0
+        rows.update((row, matcher) for row, matcher, _ in spec)
+        count += len(spec)
         for row, matcher in rows.items():
             if matcher.is_error():
                 fail(owners[row], first_line(matcher))
@@ -148,6 +153,48 @@ class GrammarState:
                 upload(list(rows), torch.int32, logits.device),
             )
         return count, mask_s
+
+    @staticmethod
+    def _spec_draws(
+        batch: DrawBatch, live: Mapping[str, Request], fail: Callable[[Request, str], None], owners: dict
+    ) -> list[tuple[int, Any, int | None]]:
+        """The rows of the verifications that follow a grammar, in order: (logits row, matcher, the proposed
+        token that row's position continues with, None for a proposal's last row)."""
+        out: list[tuple[int, Any, int | None]] = []
+        for (req, draw, v), src in zip(batch.spec, batch.spec_src, strict=True):
+            if not req.constrained or live.get(req.request_id) is not req:
+                continue
+            matcher = req.states[draw.seq.seq_id].matcher
+            if matcher is None or matcher.is_error():
+                fail(req, first_line(matcher) if matcher is not None else "no matcher")
+                continue
+            for j in range(len(v.proposed) + 1):
+                out.append((src + j, matcher, v.proposed[j] if j < len(v.proposed) else None))
+                owners[src + j] = req
+        return out
+
+    def _fill_spec(self, spec: list[tuple[int, Any, int | None]], bitmask: torch.Tensor) -> None:
+        """Each verification row's mask at its position: the matcher advanced through the proposed tokens
+        before it, then rolled back to where it was. A proposed token the grammar refuses has probability 0 at
+        its row, so it is rejected there; the rows after it, never reached, keep its row's mask."""
+        consumed: dict[int, tuple[Any, int]] = {}  # id(matcher) -> (matcher, tokens consumed)
+        blocked: set[int] = set()
+        for i, (_, matcher, token) in enumerate(spec):
+            key = id(matcher)
+            if key in blocked:
+                bitmask[i] = bitmask[i - 1]
+            else:
+                self.compiler.fill_bitmask([matcher], bitmask[i : i + 1])
+            if token is None:
+                blocked.discard(key)
+            elif (
+                key not in blocked and matcher.validate_tokens([token]) == 1 and matcher.consume_token(token)
+            ):
+                consumed[key] = (matcher, consumed.get(key, (matcher, 0))[1] + 1)
+            else:
+                blocked.add(key)
+        for matcher, n in consumed.values():
+            matcher.rollback(n)
 
     @staticmethod
     def failure(req: Request, error: str, step: int) -> str:

@@ -3,7 +3,8 @@ proposer proposes (set as `Sequence.spec_token_ids`, for the scheduler to verify
 draft's distributions until the verification reads them; the acceptance counts (vLLM's spec-decode metrics).
 
 A sequence speculates when it is decoding (one token left to compute, none pending on the device), its request
-samples in parallel (n, best_of; beam search refuses speculation at its check) and follows no grammar, and
+samples in parallel (n, best_of; beam search refuses speculation at its check; a grammar masks each verified
+position, `GrammarState.mask`), and
 there is room: k is cut so that the output fits max_tokens and the sequence max_model_len. Speculation is off
 for a step once more requests are running or waiting than `disable_by_batch_size` (vLLM's switch): at a large
 batch the forward pass is no longer bound by reading the weights, and verifying rejected tokens costs compute.
@@ -117,7 +118,7 @@ class Speculator:
         batch: list[tuple[Request, Sequence, int]] = []
         for group in scheduler.running:
             req = requests.get(group.request_id)
-            if req is None or req.constrained or not isinstance(req.strategy, ParallelSampling):
+            if req is None or not isinstance(req.strategy, ParallelSampling):
                 continue
             for seq in group.seqs:
                 k = self._room(req, seq)
