@@ -16,7 +16,7 @@ from llguidance import LLMatcher
 
 from tinypaged import limits, ops
 from tinypaged.core.sequence import SequenceStatus
-from tinypaged.engine.request import Request
+from tinypaged.engine.request import Draw, Request
 from tinypaged.engine.sampling.draw_batch import DrawBatch
 from tinypaged.engine.sampling.sampler import upload
 from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width, first_line, wait
@@ -123,11 +123,8 @@ class GrammarState:
         owners: dict[int, Request] = {}
         count = 0
         for (req, draw), row in zip(*batch.all(), strict=True):
-            if not req.constrained or live.get(req.request_id) is not req:
-                continue
-            matcher = req.states[draw.seq.seq_id].matcher
-            if matcher is None or matcher.is_error():
-                fail(req, first_line(matcher) if matcher is not None else "no matcher")
+            matcher = _matcher(req, draw, live, fail)
+            if matcher is None:
                 continue
             rows[row], owners[row] = matcher, req
             count += 1
@@ -162,11 +159,8 @@ class GrammarState:
         token that row's position continues with, None for a proposal's last row)."""
         out: list[tuple[int, Any, int | None]] = []
         for (req, draw, v), src in zip(batch.spec, batch.spec_src, strict=True):
-            if not req.constrained or live.get(req.request_id) is not req:
-                continue
-            matcher = req.states[draw.seq.seq_id].matcher
-            if matcher is None or matcher.is_error():
-                fail(req, first_line(matcher) if matcher is not None else "no matcher")
+            matcher = _matcher(req, draw, live, fail)
+            if matcher is None:
                 continue
             for j in range(len(v.proposed) + 1):
                 out.append((src + j, matcher, v.proposed[j] if j < len(v.proposed) else None))
@@ -205,3 +199,17 @@ class GrammarState:
         what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
         logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)
         return f"the output could not follow its {what}: {error}"
+
+
+def _matcher(
+    req: Request, draw: Draw, live: Mapping[str, Request], fail: Callable[[Request, str], None]
+) -> Any:
+    """The matcher a draw's row is masked by; None for a request without a grammar, or one ended (not `live`),
+    or whose matcher erred (then `fail`ed with the error)."""
+    if not req.constrained or live.get(req.request_id) is not req:
+        return None
+    matcher = req.states[draw.seq.seq_id].matcher
+    if matcher is None or matcher.is_error():
+        fail(req, first_line(matcher) if matcher is not None else "no matcher")
+        return None
+    return matcher
