@@ -59,8 +59,9 @@ def oracle_tokenizer(gguf_path: Path):
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
-def _generate_with_stats(engine, prompts: list, params: list) -> tuple[list, list]:  # noqa: ANN001
-    """What LLM.generate does, keeping each step's StepStats: (final outputs in order, stats per step)."""
+def _generate_with_stats(engine, prompts: list, params: list, check: bool = False) -> tuple[list, list]:  # noqa: ANN001
+    """What LLM.generate does, keeping each step's StepStats: (final outputs in order, stats per step); with
+    `check`, the KV cache's invariants are checked after every step."""
     requests = [
         engine.process_inputs(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
@@ -69,6 +70,8 @@ def _generate_with_stats(engine, prompts: list, params: list) -> tuple[list, lis
     finals, steps = {}, []
     while engine.has_unfinished_requests():
         result = engine.step()
+        if check:
+            engine.check_integrity()
         steps.append(result.stats)
         finals.update((o.request_id, o) for o in result.outputs if o.finished)
     return [finals[r.request_id] for r in requests], steps
@@ -76,7 +79,7 @@ def _generate_with_stats(engine, prompts: list, params: list) -> tuple[list, lis
 
 @pytest.fixture
 def generate_with_stats():
-    """`generate_with_stats(engine, prompts, params_list) -> (outputs, [StepStats per step])`."""
+    """`generate_with_stats(engine, prompts, params_list, check=False) -> (outputs, [StepStats per step])`."""
     return _generate_with_stats
 
 

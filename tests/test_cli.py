@@ -99,6 +99,12 @@ def test_default_model_is_fetched_when_missing(
         (lambda tmp, tiny: tiny, ["word " * 100], "maximum context length is 64 tokens"),
         (lambda tmp, tiny: tiny, ["--max-model-len", "1000", "Hi"], "exceeds the model's context"),
         (lambda tmp, tiny: tiny, ["--block-size", "3", "Hi"], "block_size"),
+        (
+            lambda tmp, tiny: tiny,
+            ["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}', "Hi"],
+            "unknown method 'medusa'",
+        ),
+        (lambda tmp, tiny: tiny, ["--speculative-config", "{not json", "Hi"], "not valid JSON"),
     ],
     ids=[
         "missing-dir",
@@ -112,6 +118,8 @@ def test_default_model_is_fetched_when_missing(
         "prompt-too-long",
         "max-model-len",
         "block-size",
+        "speculative-method",
+        "speculative-json",
     ],
 )
 def test_bad_input_one_error_line(capsys, tmp_path: Path, tiny_model: Path, make, extra, message) -> None:
@@ -172,3 +180,10 @@ def test_warmup_starts_the_engine_and_reports_its_phases(capsys, tiny_model: Pat
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("startup: weights ") and " warmup 0.00 s, total " in out[0]
     assert out[1].startswith("nothing to compile")
+
+
+def test_speculative_config_flag(capsys, tiny_model: Path) -> None:
+    """`--speculative-config JSON` is the engine argument speculative_config, as vLLM's flag."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model), "--speculative-config", spec, "Hi")
+    assert code == 0 and out

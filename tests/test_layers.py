@@ -147,9 +147,10 @@ def _layer(module: str) -> str | None:
 # What each engine layer may import of the others (its own modules and engine/request.py always).
 ALLOWED = {
     "frontend": {"step", "sampling"},
-    "step": {"sampling", "device"},
+    "step": {"sampling", "device", "speculative"},
     "sampling": set(),
     "device": set(),
+    "speculative": {"sampling", "device"},
 }
 
 

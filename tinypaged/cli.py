@@ -28,6 +28,8 @@ def _add_engine_args(p: argparse.ArgumentParser, defaults: dict[str, typing.Any]
             p.add_argument(flag, action=action, default=default, help=help_text)
             continue
         kind = Path if Path in kinds else next(iter(kinds - {str}), str)
+        if typing.get_origin(kind) is dict:
+            kind = str  # JSON text, as vLLM's flags take it: EngineConfig parses and checks it
         # Choices are listed, not enforced by argparse: EngineConfig checks every value, with one message.
         notes = [f"one of: {', '.join(map(str, f.metadata['choices']))}"] if "choices" in f.metadata else []
         notes += [f"default: {default}"] if default is not None else []

@@ -13,6 +13,7 @@ from tinypaged.core.reservation import KV_RESERVATIONS, make_kv_cache_manager
 from tinypaged.core.schedule_types import SchedulerConfig
 from tinypaged.errors import ConfigError
 from tinypaged.quantization import QUANTIZATIONS, resolve_quantization
+from tinypaged.speculative import SpeculativeConfig
 
 # config.json's model_type -> the family the model code runs it as (its switches: tinypaged/model/llama.py).
 FAMILIES = {
@@ -319,7 +320,14 @@ class EngineConfig:
         "under tensor parallelism on one node's GPUs, NCCL does every all-reduce (by default those of 512 KiB to "
         "8 MiB go through symmetric memory over NVLink)",
     )
+    speculative_config: dict[str, Any] | None = _arg(
+        None,
+        "speculative decoding, vLLM's JSON: method (ngram, draft_model), num_speculative_tokens, prompt_lookup_min, "
+        "prompt_lookup_max, model, quantization, disable_by_batch_size (docs/speculative.md); default: none",
+    )
     model_config: ModelConfig = field(init=False, repr=False, compare=False)  # read from model/config.json
+    # speculative_config as checked (None: no speculation).
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from tinypaged.weights.fetch import resolve_model  # lazy: `tinypaged --help` imports this module
@@ -328,7 +336,7 @@ class EngineConfig:
         mcfg = ModelConfig.from_dir(model)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_config", mcfg)
-        for f in fields(self):
+        for f in self.engine_args():
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
@@ -361,6 +369,11 @@ class EngineConfig:
             # The paper's Orca baselines share nothing: a reserved extent is one sequence's alone.
             object.__setattr__(self, "enable_prefix_caching", False)
         self._check_tensor_parallel(mcfg)
+        raw = self.speculative_config  # checked whole, then against this engine
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(raw) if raw is not None else None)
+        if (spec := self.speculative) is not None:
+            draft = ModelConfig.from_dir(spec.model).vocab_size if spec.model is not None else None
+            spec.check_engine(self, QUANTIZATIONS, (mcfg.vocab_size, draft))
         # Every layer's scheme is checked here, before any weight is read: one line for what cannot be run.
         resolve_quantization(
             mcfg.quantization_config,

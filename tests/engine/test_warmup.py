@@ -274,3 +274,15 @@ def test_row_counts_straddle_the_fp8_swiglu_switch() -> None:
 
     assert warmup.FP8_SWIGLU_TILED_ROWS == TILED_ROWS
     assert {TILED_ROWS, TILED_ROWS + 1} <= set(warmup.ROW_COUNTS)
+
+
+def test_the_warmup_verifies_proposed_tokens(tiny: Path) -> None:
+    """With speculative decoding, the warm-up's eager steps include verifications (a decode with k proposed
+    tokens, its k + 1 rows sampled) and run them through the rejection sampler; the engine is left as it was."""
+    engine = _engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    steps = warmup.eager_steps(engine.config, engine.runner.num_gpu_blocks)
+    assert any(s.scheduled[0].num_spec_tokens == 3 and s.scheduled[0].num_new_tokens == 4 for s in steps)
+    record(lambda: warmup.warm_up(engine, force=True))
+    stats = engine.stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and stats.spec_decode_num_drafts == 0
+    engine.shutdown()

@@ -248,6 +248,18 @@ class KVCacheManager:
         for block_id in reversed(_held(table or [])):
             pool.free(block_id)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: those only rejected speculative tokens
+        reached (the last of them first, each freed when no other table holds it). Full cached blocks hold
+        computed, accepted tokens only, so none is ever trimmed."""
+        table = self._tables.get(seq.seq_id)
+        if not table or seq.seq_id in self._on_cpu:
+            return
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        assert len(self._block_hashes.get(seq.seq_id, ())) <= keep, "trimming a cached block"
+        while len(table) > keep:
+            self.gpu_pool.free(table.pop())
+
     def free_out_of_window(self, seq: Sequence) -> None:
         """Under a sliding window, release the blocks whose positions all lie before the window of the
         sequence's next token (below num_computed_tokens - window + 1), leaving NULL_BLOCK in their entries.

@@ -45,6 +45,9 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]  # covers positions [0, num_computed_tokens + num_new_tokens)
     do_sample: bool  # this chunk reaches the sequence's last token: sample the next one
+    # Speculative decoding: the last num_spec_tokens of token_ids are proposed tokens that follow the sequence's
+    # last token; every one of the chunk's last num_spec_tokens + 1 positions is sampled (verified).
+    num_spec_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The scheduler: which sequences run each step, with how many tokens, and what to preempt, swap or copy.
 
-One job, in about 480 lines: every policy that decides a step's batch lives here together (the running queue
+One job, in about 500 lines: every policy that decides a step's batch lives here together (the running queue
 first, swap-in, admission with its turns between client requests, preemption), because each reads the token
 budget and the free blocks the others leave; the block bookkeeping itself is the KV cache manager's.
 """
@@ -231,18 +231,7 @@ class Scheduler:
             # Swapped groups come back before any new request takes their blocks.
             if not self.swapped:
                 self._schedule_waiting(st)
-        scheduled = tuple(
-            ScheduledSeq(
-                seq_id=seq.seq_id,
-                request_id=group.request_id,
-                num_computed_tokens=seq.num_computed_tokens,
-                num_new_tokens=n,
-                token_ids=tuple(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]),
-                block_table=tuple(self.kv.get_block_table(seq.seq_id)),
-                do_sample=seq.num_computed_tokens + n == seq.num_tokens,
-            )
-            for seq, group, n in st.scheduled
-        )
+        scheduled = tuple(self._scheduled(seq, group, n) for seq, group, n in st.scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
             blocks_to_swap_out=tuple(st.swap_out),
@@ -265,7 +254,19 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_block(seq)
-            self.kv.free_out_of_window(seq)
+            if not s.num_spec_tokens:  # else once the rejected positions are rolled back
+                self.kv.free_out_of_window(seq)
+
+    def rollback(self, seq: Sequence, num_rejected: int) -> None:
+        """Speculative decoding, after a verification step: the last `num_rejected` positions it computed held
+        proposed tokens that the target rejected. The sequence's computed tokens end before them, and the blocks
+        only they reached go back to the pool (their K/V is never read: the next step overwrites those slots)."""
+        if seq.status != SequenceStatus.RUNNING:
+            return  # finished or aborted meanwhile: its blocks are already free
+        if num_rejected:
+            seq.num_computed_tokens -= num_rejected
+            self.kv.trim(seq)
+        self.kv.free_out_of_window(seq)
 
     # ---- phases --------------------------------------------------------------------------------------
     def _schedule_running(self, st: _Step) -> None:
@@ -388,13 +389,30 @@ class Scheduler:
             remaining = seq.num_tokens - computed
             if remaining <= 0:
                 continue
-            n = min(remaining, budget if remaining == 1 else budget - reserve)
+            # A decode verifies the tokens proposed after it (speculative decoding), as many as the budget has.
+            want = remaining + len(seq.spec_token_ids) if remaining == 1 else remaining
+            n = min(want, budget if remaining == 1 else budget - reserve)
             if n <= 0 or seqs_left <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 break
             items.append((seq, n))
             budget -= n
             seqs_left -= 1
         return items
+
+    def _scheduled(self, seq: Sequence, group: SequenceGroup, n: int) -> ScheduledSeq:
+        """The plain-data record of one sequence's work this step (n new tokens, proposed ones last)."""
+        first = seq.num_computed_tokens
+        spec = max(0, n - (seq.num_tokens - first))
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            request_id=group.request_id,
+            num_computed_tokens=first,
+            num_new_tokens=n,
+            token_ids=tuple(seq.token_ids[first : first + n - spec]) + seq.spec_token_ids[:spec],
+            block_table=tuple(self.kv.get_block_table(seq.seq_id)),
+            do_sample=first + n - spec == seq.num_tokens,
+            num_spec_tokens=spec,
+        )
 
     def _fits_swap_in(self, group: SequenceGroup, items: list[tuple[Sequence, int]]) -> bool:
         # The watermark keeps room for running sequences to grow; with nothing running it only stalls.

@@ -29,7 +29,15 @@ for _status in SequenceStatus:
 class Sequence:
     """One stream of tokens (prompt + generated output) and its progress through the model."""
 
-    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed_tokens", "status", "num_pending")
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "prompt_len",
+        "num_computed_tokens",
+        "status",
+        "num_pending",
+        "spec_token_ids",
+    )
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -43,6 +51,9 @@ class Sequence:
         # Tokens sampled on the device but not yet known on the host (async scheduling): they count in
         # num_tokens, so the scheduler runs them, but token_ids holds only tokens the host has seen.
         self.num_pending = 0
+        # Speculative decoding: tokens a proposer guessed to follow token_ids, for the next schedule to verify
+        # with the last token. Never part of token_ids: only the tokens the target accepts are appended.
+        self.spec_token_ids: tuple[int, ...] = ()
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -90,6 +90,9 @@ class Draw(NamedTuple):
     # The token may stay on the device until the next step (async scheduling): only when nothing that the next
     # schedule or the next sampling needs on the host depends on it (no fork, no beam step, no penalty).
     defer: bool = False
+    # Speculative decoding: tokens proposed after `seq`'s last one, verified from this draw's k + 1 rows; its
+    # result is then a list of TokenSamples (the accepted proposals and one drawn token).
+    spec: tuple[int, ...] = ()
 
 
 class TokenSample(NamedTuple):

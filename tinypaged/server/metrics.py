@@ -57,6 +57,25 @@ ENGINE_METRICS = (
     ),
     ("prefix_cache_hits", "counter", "Prompt blocks found in the prefix cache.", "prefix_cache_hits_total"),
     ("engine_steps", "counter", "Engine steps run.", "num_steps"),
+    # Speculative decoding (vLLM's names); acceptance rate = accepted tokens / draft tokens.
+    (
+        "spec_decode_num_drafts",
+        "counter",
+        "Proposals verified (speculative decoding).",
+        "spec_decode_num_drafts",
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens proposed and verified.",
+        "spec_decode_num_draft_tokens",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens the target accepted.",
+        "spec_decode_num_accepted_tokens",
+    ),
 )
 
 
@@ -195,6 +214,16 @@ class ServerMetrics:
             lines += [
                 f'{full}{{{self.labels},phase="{_escape(name)}"}} {_number(float(s))}'
                 for name, s in stats.startup
+            ]
+        if stats.spec_decode_accepted_by_position:
+            full = f"{self.prefix}spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [
+                f"# HELP {full} Draft tokens accepted, by position in their proposal (0: the first).",
+                f"# TYPE {full} counter",
+            ]
+            lines += [
+                f'{full}{{{self.labels},position="{j}"}} {n}'
+                for j, n in enumerate(stats.spec_decode_accepted_by_position)
             ]
         full = f"{self.prefix}request_success_total"
         lines += [f"# HELP {full} Count of finished requests by finish reason.", f"# TYPE {full} counter"]

@@ -92,7 +92,8 @@ EAGER = GraphChoice()
 class ExecuteOutput:
     """A step's logits: of the rows that sample, and of every new token of the sequences asked for."""
 
-    logits: torch.Tensor  # [S, vocab] in the model's dtype: each sampling sequence's last new token, in order
+    # [S, vocab] in the model's dtype: each sampling sequence's last new token (a verification's last k + 1)
+    logits: torch.Tensor
     # Index in SchedulerOutput.scheduled -> [num_new_tokens, vocab] (prompt_logprobs score every prompt token).
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     graph: GraphChoice = EAGER  # the CUDA graph the forward pass replayed
@@ -292,8 +293,13 @@ class ModelRunner:
         queued on the device: the host then stalls for a whole step instead of queuing the next one. In W1's
         first run this cost 1.2-1.3% (BENCHMARKS.md, "The LM head's first shapes")."""
         t0 = time.perf_counter()
+        spec = self.config.speculative  # verification samples k + 1 rows a sequence
+        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         hidden = torch.zeros(
-            (self.config.max_num_seqs, self.config.model_config.hidden_size),
+            (
+                max(self.config.max_num_seqs, min(rows, self.config.max_num_batched_tokens)),
+                self.config.model_config.hidden_size,
+            ),
             dtype=self.dtype,
             device=self.device,
         )

@@ -264,8 +264,8 @@ class Staging:
                 p += take
             lens.append(end)
             starts.append(starts[-1] + n)
-            if s.do_sample:
-                samples.append(starts[-1] - 1)
+            if s.do_sample:  # a verification samples each of its proposed tokens' positions too
+                samples.extend(range(starts[-1] - 1 - s.num_spec_tokens, starts[-1]))
             width = max(width, len(table))
         n_samp = len(samples)
         width = table_width(width)

@@ -14,6 +14,7 @@ import torch
 from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.sequence import Sequence, SequenceStatus
 from tinypaged.engine.request import Draw, Request
+from tinypaged.engine.sampling.rejection import Verified, Verify, verify
 from tinypaged.engine.sampling.sampler import SampledBatch, Sampler, SamplingRow, has_penalty, upload
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,13 @@ class DrawRows:
 
 @dataclass(eq=False)
 class DrawBatch:
-    """Every draw of one step: `token` draws are sampled, `score` draws (beam search) return whole rows."""
+    """Every draw of one step: `token` draws are sampled, `score` draws (beam search) return whole rows, `spec`
+    draws verify proposed tokens (speculative decoding) from k + 1 rows starting at their `spec_src`."""
 
     token: DrawRows = field(default_factory=DrawRows)
     score: DrawRows = field(default_factory=DrawRows)
+    spec: list[tuple[Request, Draw, Verify]] = field(default_factory=list)
+    spec_src: list[int] = field(default_factory=list)
 
     @classmethod
     def collect(
@@ -77,18 +81,32 @@ class DrawBatch:
         get_seq: Callable[[int], Sequence | None],
         eos_ids: frozenset[int],
         fail: Callable[[Request], None],
+        q_of: Callable[[int], Any] = lambda seq_id: None,
     ) -> DrawBatch:
-        """The draws each running request's strategy asks of its sequences' logits rows this step (row i: the
-        i-th scheduled sequence that samples). A request whose draws cannot be prepared is `fail`ed (called
+        """The draws each running request's strategy asks of its sequences' logits rows this step (the rows of
+        the scheduled sequences that sample, in order: one each, k + 1 for a verification of k proposed tokens,
+        whose draft distributions `q_of` gives). A request whose draws cannot be prepared is `fail`ed (called
         while its exception is handled)."""
         batch = cls()
         token, score = batch.token, batch.score
-        for row, s in enumerate(s for s in scheduled if s.do_sample):
+        row = 0
+        for s in scheduled:
+            if not s.do_sample:
+                continue
+            row += 1 + s.num_spec_tokens
             req = requests.get(s.request_id)
             seq = get_seq(s.seq_id)
             if req is None or seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
             try:
+                if s.num_spec_tokens:
+                    proposed = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+                    (draw,) = req.strategy.draws(req, seq)
+                    draw = draw._replace(spec=proposed, defer=False)
+                    rows = [spec_row(req, seq, draw, eos_ids, proposed[:j]) for j in range(len(proposed) + 1)]
+                    batch.spec.append((req, draw, Verify(rows, proposed, q_of(seq.seq_id))))
+                    batch.spec_src.append(row - 1 - s.num_spec_tokens)
+                    continue
                 draws = [(d, sampling_row(req, seq, d, eos_ids)) for d in req.strategy.draws(req, seq)]
             except Exception:
                 fail(req)
@@ -97,7 +115,7 @@ class DrawBatch:
                 part = score if draw.scores else token
                 part.draws.append((req, draw))
                 part.rows.append(sampling)
-                part.src.append(row)
+                part.src.append(row - 1)
         return batch
 
     def all(self) -> tuple[list[tuple[Request, Draw]], list[int]]:
@@ -106,6 +124,9 @@ class DrawBatch:
 
     def drop_ended(self, live: Mapping[str, Request]) -> None:
         """Forget the draws of requests that ended (no longer `live` under their id)."""
+        alive = [i for i, (req, _, _) in enumerate(self.spec) if live.get(req.request_id) is req]
+        self.spec = [self.spec[i] for i in alive]
+        self.spec_src = [self.spec_src[i] for i in alive]
         for name in ("token", "score"):
             part: DrawRows = getattr(self, name)
             alive = [i for i, (req, _) in enumerate(part.draws) if live.get(req.request_id) is req]
@@ -128,6 +149,42 @@ class DrawBatch:
         if self.score.draws:
             scores, self.score = self.score.run(sampler.beam_logprobs, logits, fail, index)
         return sampled, scores
+
+    def verify(
+        self, sampler: Sampler, logits: torch.Tensor, fail: Callable[[Request], None], index: int
+    ) -> list[tuple[Request, Draw, Verified]]:
+        """Verify the spec draws' proposals against their rows (rejection.py), waiting for the device; if that
+        raises, each of their requests is `fail`ed."""
+        if not self.spec:
+            return []
+        rows = [
+            src + j
+            for src, (_, _, v) in zip(self.spec_src, self.spec, strict=True)
+            for j in range(len(v.rows))
+        ]
+        try:
+            results = verify(sampler, _rows_of(logits, rows), [v for _, _, v in self.spec])
+        except Exception:
+            logger.exception("engine step %d: verifying proposed tokens failed", index)
+            for req in dict.fromkeys(req for req, _, _ in self.spec):
+                fail(req)
+            return []
+        return [(req, draw, r) for (req, draw, _), r in zip(self.spec, results, strict=True)]
+
+
+def spec_row(
+    req: Request, seq: Sequence, draw: Draw, eos_ids: frozenset[int], accepted: tuple[int, ...]
+) -> SamplingRow:
+    """The sampling row of a verification's position after the proposed tokens `accepted`: as `sampling_row`
+    would make it once they were appended (penalties count them; min_tokens counts them)."""
+    row = sampling_row(req, seq, draw, eos_ids)
+    if not accepted:
+        return row
+    p = req.params
+    generated = row.generated + len(accepted)
+    banned = tuple(eos_ids | set(p.stop_token_ids)) if generated < p.min_tokens else ()
+    output_ids = row.output_ids + list(accepted) if has_penalty(p) else []
+    return SamplingRow(p, row.prompt_ids, output_ids, row.seed_key, banned, generated)
 
 
 def sampling_row(req: Request, seq: Sequence, draw: Draw, eos_ids: frozenset[int]) -> SamplingRow:

@@ -16,7 +16,7 @@ from llguidance import LLMatcher
 
 from tinypaged import limits, ops
 from tinypaged.core.sequence import SequenceStatus
-from tinypaged.engine.request import Request
+from tinypaged.engine.request import Draw, Request
 from tinypaged.engine.sampling.draw_batch import DrawBatch
 from tinypaged.engine.sampling.sampler import upload
 from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width, first_line, wait
@@ -123,21 +123,23 @@ class GrammarState:
         owners: dict[int, Request] = {}
         count = 0
         for (req, draw), row in zip(*batch.all(), strict=True):
-            if not req.constrained or live.get(req.request_id) is not req:
-                continue
-            matcher = req.states[draw.seq.seq_id].matcher
-            if matcher is None or matcher.is_error():
-                fail(req, first_line(matcher) if matcher is not None else "no matcher")
+            matcher = _matcher(req, draw, live, fail)
+            if matcher is None:
                 continue
             rows[row], owners[row] = matcher, req
             count += 1
-        if not rows:
+        spec = self._spec_draws(batch, live, fail, owners)
+        if not rows and not spec:
             return count, 0.0
         cuda = logits.device.type == "cuda"
-        bitmask = torch.empty((len(rows), bitmask_width(logits.shape[1])), dtype=torch.int32, pin_memory=cuda)
+        width = bitmask_width(logits.shape[1])
+        bitmask = torch.empty((len(rows) + len(spec), width), dtype=torch.int32, pin_memory=cuda)
         t0 = time.perf_counter()
-        self.compiler.fill_bitmask(list(rows.values()), bitmask)
+        self.compiler.fill_bitmask(list(rows.values()), bitmask[: len(rows)])
+        self._fill_spec(spec, bitmask[len(rows) :])
         mask_s = time.perf_counter() - t0
+        rows.update((row, matcher) for row, matcher, _ in spec)
+        count += len(spec)
         for row, matcher in rows.items():
             if matcher.is_error():
                 fail(owners[row], first_line(matcher))
@@ -150,6 +152,45 @@ class GrammarState:
         return count, mask_s
 
     @staticmethod
+    def _spec_draws(
+        batch: DrawBatch, live: Mapping[str, Request], fail: Callable[[Request, str], None], owners: dict
+    ) -> list[tuple[int, Any, int | None]]:
+        """The rows of the verifications that follow a grammar, in order: (logits row, matcher, the proposed
+        token that row's position continues with, None for a proposal's last row)."""
+        out: list[tuple[int, Any, int | None]] = []
+        for (req, draw, v), src in zip(batch.spec, batch.spec_src, strict=True):
+            matcher = _matcher(req, draw, live, fail)
+            if matcher is None:
+                continue
+            for j in range(len(v.proposed) + 1):
+                out.append((src + j, matcher, v.proposed[j] if j < len(v.proposed) else None))
+                owners[src + j] = req
+        return out
+
+    def _fill_spec(self, spec: list[tuple[int, Any, int | None]], bitmask: torch.Tensor) -> None:
+        """Each verification row's mask at its position: the matcher advanced through the proposed tokens
+        before it, then rolled back to where it was. A proposed token the grammar refuses has probability 0 at
+        its row, so it is rejected there; the rows after it, never reached, keep its row's mask."""
+        consumed: dict[int, tuple[Any, int]] = {}  # id(matcher) -> (matcher, tokens consumed)
+        blocked: set[int] = set()
+        for i, (_, matcher, token) in enumerate(spec):
+            key = id(matcher)
+            if key in blocked:
+                bitmask[i] = bitmask[i - 1]
+            else:
+                self.compiler.fill_bitmask([matcher], bitmask[i : i + 1])
+            if token is None:
+                blocked.discard(key)
+            elif (
+                key not in blocked and matcher.validate_tokens([token]) == 1 and matcher.consume_token(token)
+            ):
+                consumed[key] = (matcher, consumed.get(key, (matcher, 0))[1] + 1)
+            else:
+                blocked.add(key)
+        for matcher, n in consumed.values():
+            matcher.rollback(n)
+
+    @staticmethod
     def failure(req: Request, error: str, step: int) -> str:
         """The message of a request whose matcher entered llguidance's error state (a limit of its grammar run
         out, most often its lexer's states): it fails with the reason, never "stop" with a partial output. The
@@ -158,3 +199,17 @@ class GrammarState:
         what = f"structured_outputs.{spec.kind}" if spec is not None else "structured_outputs"
         logger.warning("request %s: its %s failed in engine step %d: %s", req.request_id, what, step, error)
         return f"the output could not follow its {what}: {error}"
+
+
+def _matcher(
+    req: Request, draw: Draw, live: Mapping[str, Request], fail: Callable[[Request, str], None]
+) -> Any:
+    """The matcher a draw's row is masked by; None for a request without a grammar, or one ended (not `live`),
+    or whose matcher erred (then `fail`ed with the error)."""
+    if not req.constrained or live.get(req.request_id) is not req:
+        return None
+    matcher = req.states[draw.seq.seq_id].matcher
+    if matcher is None or matcher.is_error():
+        fail(req, first_line(matcher) if matcher is not None else "no matcher")
+        return None
+    return matcher

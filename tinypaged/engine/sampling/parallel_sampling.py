@@ -38,12 +38,19 @@ class ParallelSampling:
 
     def plan(self, req: Request, results: list[tuple[Draw, Any]]) -> Plan:
         """Each token extends its sequence or starts its fork."""
-        if len(results) == 1 and results[0][0].fork is None:  # the common case: one token, no fork
+        if len(results) == 1 and results[0][0].fork is None:  # the common case: one draw, no fork
             draw, sample = results[0]
+            if draw.spec:  # a verification: the accepted proposals and one drawn token
+                return Plan([Extend(draw.seq, s) for s in sample])
             return Plan([Extend(draw.seq, sample)])
-        targets = [d.seq if d.fork is None else Fork(d.seq, d.fork) for d, _ in results]
-        forks = [t for t in targets if isinstance(t, Fork)]
-        return Plan([Extend(t, sample) for t, (_, sample) in zip(targets, results, strict=True)], forks)
+        extend: list[Extend] = []
+        forks: list[Fork] = []
+        for draw, sample in results:
+            target = draw.seq if draw.fork is None else Fork(draw.seq, draw.fork)
+            if isinstance(target, Fork):
+                forks.append(target)
+            extend += [Extend(target, s) for s in sample] if draw.spec else [Extend(target, sample)]
+        return Plan(extend, forks)
 
     def outputs(self, req: Request) -> list[CompletionOutput]:
         """Every sequence; with best_of > n, the n of highest cumulative logprob once all are done."""

@@ -66,6 +66,11 @@ class InputProcessor:
             raise RequestError(
                 f"{name} must be at most max_num_seqs ({cfg.max_num_seqs}), got {params.num_seqs}", name
             )
+        if params.use_beam_search and cfg.speculative is not None:
+            raise RequestError(
+                "beam search cannot run on an engine with speculative decoding (speculative_config)",
+                "use_beam_search",
+            )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise RequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", "stop_token_ids")

@@ -1,4 +1,9 @@
-"""LLMEngine: requests in; each `step()` schedules, executes, samples and updates; RequestOutputs out."""
+"""LLMEngine: requests in; each `step()` schedules, executes, samples and updates; RequestOutputs out.
+
+One job, in about 460 lines: the order of a step's phases and what each hands the next (admission, the
+speculator's proposals, schedule, execute, sample and verify, apply), with the failure of one request or of the
+step at each phase; the phases' own work lives in the modules they call.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from tinypaged.engine.sampling.grammar_state import GrammarState
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.sampler import Sampler
 from tinypaged.engine.sampling.structured import GrammarCompiler
+from tinypaged.engine.speculative.speculator import make_speculator
 from tinypaged.engine.step import warmup
 from tinypaged.engine.step.inputs import InputProcessor
 from tinypaged.engine.step.output_processor import GrammarError, OutputProcessor
@@ -82,6 +88,7 @@ class LLMEngine:
         self.grammar_state = GrammarState(self.grammars)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.speculator = make_speculator(config, self.runner)  # speculative decoding (if configured)
         self.startup = warmup.start(self, started)  # no request after this waits on a compile
         # What exists now (the model's modules, the block pool, imported libraries: some 300k objects) lives as
         # long as the engine. Moved out of the cyclic collector's view, it is no longer traversed by the full
@@ -176,7 +183,10 @@ class LLMEngine:
         """Queue lengths, cache usage and counters right now."""
         counters = self._num_steps, self.prompt_tokens_total, self.generation_tokens_total
         compiling = self.grammar_state.num_waiting()
-        return EngineStats.of(self.scheduler, self.kv, self._requests, compiling, counters, self.startup)
+        spec = self.speculator.totals.as_tuple()
+        return EngineStats.of(
+            self.scheduler, self.kv, self._requests, compiling, counters, self.startup, spec
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
@@ -215,7 +225,9 @@ class LLMEngine:
         sched: SchedulerOutput | None = None
         try:
             outputs += self._admit()
+            self.speculator.propose(self.scheduler, self._requests)  # speculative decoding's proposals
             sched = self.scheduler.schedule()
+            self.speculator.scheduled()
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
             timer.scheduled()
@@ -357,7 +369,9 @@ class LLMEngine:
         beam rows), grammars' masks applied first; defer the step when async scheduling is on and every draw
         may stay on the device. A request whose draws cannot be made fails alone (its output into `failed`)."""
         fail = self._fail_into(failed, "preparing its sampling failed", index)
-        batch = DrawBatch.collect(sched.scheduled, self._requests, self.scheduler.get_seq, self.eos_ids, fail)
+        batch = DrawBatch.collect(
+            sched.scheduled, self._requests, self.scheduler.get_seq, self.eos_ids, fail, self.speculator.q_of
+        )
         logits = executed.logits
         num_failed, num_constrained, mask_s = len(failed), 0, 0.0
         if self.grammar_state.constrained:
@@ -371,13 +385,19 @@ class LLMEngine:
             batch.drop_ended(self._requests)  # requests that failed while their masks were filled
         fail = self._fail_into(failed, "sampling its next token failed", index)
         sampled, scores = batch.sample(self.sampler, logits, fail, index)
+        spec = batch.verify(self.sampler, logits, fail, index)
+        self.speculator.verified((len(d.spec), v) for _, d, v in spec)
         token, score = batch.token.draws, batch.score.draws
-        deferred = self.async_scheduling and all(d.defer for _, d in token + score)
+        deferred = (
+            self.async_scheduling
+            and not self.speculator.enabled  # the next proposals need this step's tokens on the host
+            and all(d.defer for _, d in token + score)
+        )
         if deferred:
             for _, d in token:
                 d.seq.add_pending()
         return QueuedStep(
-            index, token, sampled, score, scores, deferred, executed.events, num_constrained, mask_s
+            index, token, sampled, score, scores, deferred, executed.events, num_constrained, mask_s, spec
         )
 
     def _update(self, step: QueuedStep) -> list[RequestOutput]:
@@ -394,6 +414,9 @@ class LLMEngine:
                 outputs += self._fail_request(req, UNUSABLE, step.index, fault=False)
                 continue
             try:
+                for draw, samples in items:
+                    if draw.spec:  # the positions of rejected proposals are given back first
+                        self.scheduler.rollback(draw.seq, len(draw.spec) + 1 - len(samples))
                 self._apply(req, req.strategy.plan(req, items), pending=step.deferred)
                 req.metrics.tokens_at(now)
                 finished = req.group.is_finished()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tinypaged.engine.device.staging import PendingTokens
 from tinypaged.engine.request import Draw, Request
+from tinypaged.engine.sampling.rejection import Verified
 from tinypaged.engine.sampling.sampler import SampledBatch
 from tinypaged.errors import EngineError
 from tinypaged.outputs import RequestOutput
@@ -39,6 +40,9 @@ class QueuedStep:
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # around the forward pass (runner.time_device)
     num_constrained: int = 0  # draws that follow a grammar (their logits rows masked)
     mask_s: float = 0.0  # host time filling their token masks
+    # Verifications of proposed tokens (speculative decoding), done by the time the step is queued; a step
+    # with any is never deferred (the next proposals need its tokens on the host).
+    spec_draws: list[tuple[Request, Draw, Verified]] = field(default_factory=list)
     wait_s: float = 0.0
     device_s: float | None = None
 
@@ -50,11 +54,12 @@ class QueuedStep:
     @property
     def num_draws(self) -> int:
         """Draws queued in this step."""
-        return len(self.token_draws) + len(self.score_draws)
+        return len(self.token_draws) + len(self.score_draws) + len(self.spec_draws)
 
     def request_ids(self) -> list[str]:
         """The requests with draws in this step."""
-        return list(dict.fromkeys(req.request_id for req, _ in self.token_draws + self.score_draws))
+        spec = [req.request_id for req, _, _ in self.spec_draws]
+        return list(dict.fromkeys([req.request_id for req, _ in self.token_draws + self.score_draws] + spec))
 
     def pending_tokens(self) -> PendingTokens | None:
         """Where the next step finds each sequence's token on the device (deferred steps)."""
@@ -78,6 +83,8 @@ class QueuedStep:
                 invalid.update(
                     req for (req, _), ok in zip(self.token_draws, result.valid, strict=True) if not ok
                 )
+        out += [(req, d, v.samples) for req, d, v in self.spec_draws]
+        invalid.update(req for req, _, v in self.spec_draws if not v.valid)
         if self.scores is not None:
             out += [(req, d, self.scores[i]) for i, (req, d) in enumerate(self.score_draws)]
             finite = torch.isfinite(self.scores.amax(dim=-1)).tolist()

@@ -99,6 +99,11 @@ class StepStats:
     # The prefix cache's changes since the last step's (block hashes stored, removed, or all cleared), in
     # order: a subscriber that replays every step's holds the cached hashes (a KV-aware router's view).
     kv_events: tuple[BlockEvent, ...] = ()
+    # Speculative decoding (vLLM's spec-decode counters): proposed tokens verified in this step, how many the
+    # target accepted, accepted ones by position in their proposal, and whether the step speculated at all.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_by_position: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -133,6 +138,14 @@ class StepStats:
         for s in sched.scheduled:
             decode += s.num_new_tokens == 1 and s.do_sample
             partial += not s.do_sample
+        by_position: list[int] = []
+        drafted = accepted = 0
+        for _, d, v in queued.spec_draws if queued is not None else ():
+            drafted += len(d.spec)
+            accepted += v.num_accepted
+            by_position += [0] * (len(d.spec) - len(by_position))
+            for j in range(v.num_accepted):
+                by_position[j] += 1
         t = timer
         return cls(
             step=index,
@@ -168,6 +181,9 @@ class StepStats:
             largest_free_extent=largest,
             num_external_free_blocks=num_free_blocks - largest,
             kv_events=kv_events,
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+            accepted_by_position=tuple(by_position),
         )
 
 
@@ -201,6 +217,12 @@ class EngineStats:
     prefix_cache_hits_total: int  # of those, found computed
     # The engine's startup phases and their seconds (weights, kv_cache, graph_capture, warmup, total).
     startup: tuple[tuple[str, float], ...] = ()
+    # Speculative decoding, totals so far (vLLM's spec_decode counters): proposals verified, tokens proposed in
+    # them, tokens accepted, and accepted tokens by position in their proposal.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_by_position: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -211,6 +233,7 @@ class EngineStats:
         compiling: tuple[int, int],
         counters: tuple[int, int, int],
         startup: tuple[tuple[str, float], ...] = (),
+        spec: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ()),
     ) -> EngineStats:
         """The engine's load now: its scheduler's queues, its KV cache, its requests by id, the requests waiting
         for a grammar and their sequences, its counters (steps, prompt tokens, generated tokens) and its
@@ -237,6 +260,10 @@ class EngineStats:
             prefix_cache_queries_total=kv.num_prefix_queried_blocks,
             prefix_cache_hits_total=kv.num_prefix_hit_blocks,
             startup=startup,
+            spec_decode_num_drafts=spec[0],
+            spec_decode_num_draft_tokens=spec[1],
+            spec_decode_num_accepted_tokens=spec[2],
+            spec_decode_accepted_by_position=spec[3],
         )
 
 

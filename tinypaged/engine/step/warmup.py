@@ -38,6 +38,7 @@ from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.executor import Executor
 from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged.engine.sampling.rejection import Verify, verify
 from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, upload
 from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width
 from tinypaged.model.quant import fp8, lowbit
@@ -137,6 +138,10 @@ def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) 
     while context <= longest:
         steps.append(_step([(context - 1, 1)], bs))
         context *= 2
+    spec = config.speculative
+    if spec is not None:  # verification: a decode with k proposed tokens, its k + 1 rows sampled
+        k = spec.num_speculative_tokens
+        steps += [_step([(c, 1 + k)], bs, k) for c in (bs - 1, 2 * bs - 1) if c + 1 + k <= longest]
     rows = min(config.max_num_seqs, len(SAMPLING_VARIANTS))
     steps.append(_step([(0, 1)] * rows, bs))
     copy = ((0, 1),) if num_blocks >= 2 else ()
@@ -147,9 +152,9 @@ def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) 
     return steps
 
 
-def _step(seqs: list[tuple[int, int]], block_size: int) -> SchedulerOutput:
+def _step(seqs: list[tuple[int, int]], block_size: int, num_spec: int = 0) -> SchedulerOutput:
     """A step of sequences given as (tokens already computed, new tokens), each on blocks 0, 1, ... (their K/V
-    are scratch: nothing reads it after the warm-up)."""
+    are scratch: nothing reads it after the warm-up); `num_spec` of each one's new tokens proposed ones."""
     scheduled = tuple(
         ScheduledSeq(
             seq_id=i,
@@ -159,6 +164,7 @@ def _step(seqs: list[tuple[int, int]], block_size: int) -> SchedulerOutput:
             token_ids=(0,) * new,
             block_table=tuple(range(-(-(done + new) // block_size))),
             do_sample=True,
+            num_spec_tokens=num_spec,
         )
         for i, (done, new) in enumerate(seqs)
     )
@@ -196,7 +202,16 @@ def warm_up(engine: LLMEngine, force: bool = False) -> float:
 def _run(engine: LLMEngine, steps: list[SchedulerOutput]) -> None:
     """The warm-up's steps through the executor, then the sampler's variants on the last one's logits."""
     for sched in steps[:-1]:
-        engine.executor.execute(sched, (0,))
+        out = engine.executor.execute(sched, (0,))
+        k = sched.scheduled[0].num_spec_tokens
+        if k and out is not None:  # verification's pass over the k + 1 rows, greedy and sampled
+            rows = [
+                SamplingRow(v.params, [0], [1], None, (), j)
+                for v in SAMPLING_VARIANTS[:2]
+                for j in range(k + 1)
+            ]
+            items = [Verify(rows[i * (k + 1) : (i + 1) * (k + 1)], (0,) * k) for i in range(2)]
+            verify(engine.sampler, out.logits.repeat(2, 1), items)
     out = engine.executor.execute(steps[-1], (0,))
     assert out is not None
     _warm_sampler(engine, out.logits)

@@ -1,0 +1,381 @@
+"""Speculative decoding (issue 39): speedups and acceptance, CPU and H200, in one script; table last, JSON to --json.
+
+    python benchmarks/speculative.py --part cpu --json benchmarks/results/speculative-cpu.json
+    tinypaged weights random --config llama-3.1-8b --out /tmp/llama-3.1-8b
+    python benchmarks/speculative.py --part gpu --model /tmp/llama-3.1-8b \
+        --json benchmarks/results/speculative-h200.json
+
+CPU part (the default model, float32, one stream, greedy):
+- **copy-heavy** workload (published here and in docs/speculative.md): each prompt (chat template) asks the model
+  to repeat a given paragraph of about 60-80 words exactly, with one named word changed ("Repeat the following
+  paragraph exactly, but replace the word 'X' with 'Y'."); 4 paragraphs, 96 tokens each. The answer is mostly a
+  copy of the prompt: n-gram prompt lookup (k = 4, prompt_lookup_min 2, max 4) proposes it. Target >= 1.5x.
+- **random-token** prompts: 128 uniformly random token ids, 64 tokens each, nothing to copy: the n-gram
+  proposer rarely matches and its rejected proposals cost verification rows. Target >= 0.95x.
+  Tokens/s = generated tokens / wall time of `LLM.generate`, each prompt alone (one stream), without and with
+  speculation on the same engine (`Speculator.active`) in turn prompt by prompt, after a warm-up of two prompts
+  each way (the first passes of a step's shapes are 3-6x slower on the CPU); the outputs must be identical.
+- **real acceptance**: the default model's f32 target with its own INT4 copy (`quantization="int4"`) as the greedy
+  draft. For a greedy draft the proposal at position t is the draft's argmax given the target's own prefix, so
+  the target's greedy continuation scored by the INT4 copy in one teacher-forced pass gives, exactly, whether
+  each position's proposal would match; walking it as the engine does (k proposals, a accepted, a + 1 tokens)
+  gives the acceptance rate and acceptance by position for k = 1..5 (the INT4 path on the CPU dequantizes a
+  layer at a time, far too slow to time). Over the copy-heavy prompts and 4 open-ended ones.
+
+GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random tokens, 256 greedy tokens):
+- **oracle**: `"method": "oracle"` proposes the target's own greedy continuation (taken from the run without
+  speculation), each token right with probability alpha = 0.8 and wrong otherwise, at no cost: verification
+  itself. Tokens/s against the same engine without speculation; k = 4, target >= 2.5x (ideal 3.36x); and k = 1..6.
+- **INT4 self-draft**: `"method": "draft_model", "quantization": "int4"` with its real cost, its proposals
+  replaced as the oracle's (`oracle_acceptance_rate` 0.8): speedup by k.
+- **batch sweep**: the oracle at k = 4 against no speculation at batch 1..64: where speculation stops paying
+  (the batch to set disable_by_batch_size to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from common import free_llm, greedy, header, random_prompt, write_json
+
+from tinypaged import LLM, SamplingParams
+
+PARAGRAPHS = [
+    (
+        "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its "
+        "keeper climbed the narrow stairs, trimmed the wick and wound the clockwork that turned the great lens. "
+        "Ships passing in the dark counted its flashes to know where they were, and the fishermen of the "
+        "village said that as long as the light burned, no boat of theirs would be lost.",
+        "keeper",
+        "guardian",
+    ),
+    (
+        "A paged memory manager divides the cache into fixed-size blocks and gives each sequence a block table "
+        "that maps its logical positions to physical blocks. Blocks are allocated on demand, shared between "
+        "sequences that start with the same prompt, and copied only when one of the sharers writes. Nothing "
+        "is reserved in advance, so almost no memory is wasted.",
+        "shared",
+        "reused",
+    ),
+    (
+        "On Saturday morning the market filled the square before the church. Farmers brought apples, pears and "
+        "late plums in wooden crates, a baker sold bread still warm from the oven, and an old man played the "
+        "accordion by the fountain. By noon the crates were empty and the children had spent their coins on "
+        "honey cakes.",
+        "baker",
+        "cook",
+    ),
+    (
+        "To make the soup, soften two chopped onions in butter over a low heat, add four sliced carrots and a "
+        "peeled potato, and cover them with a litre of stock. Simmer for twenty minutes until the vegetables are "
+        "tender, blend until smooth, and season with salt, pepper and a little grated nutmeg before serving.",
+        "carrots",
+        "parsnips",
+    ),
+]
+OPEN_PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give three tips for sleeping better.",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def copy_prompts(llm: LLM) -> list[str]:
+    """The copy-heavy workload: repeat a paragraph with one word changed (see the module docstring)."""
+    tok = llm.get_tokenizer()
+    return [
+        tok.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": f"Repeat the following paragraph exactly, but replace the word '{old}' with "
+                    f"'{new}'.\n\n{text}",
+                }
+            ]
+        )
+        for text, old, new in PARAGRAPHS
+    ]
+
+
+def one_stream(llm: LLM, prompts: list[Any], params: SamplingParams, speculate: bool) -> dict[str, Any]:
+    """Each prompt alone (one stream): tokens/s over all of them, the outputs, and the acceptance counts."""
+    spec = llm.engine.speculator
+    spec.active = speculate
+    before = spec.totals.as_tuple()
+    tokens, wall, outs = 0, 0.0, []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        out = llm.generate([p], params)[0]
+        wall += time.perf_counter() - t0
+        tokens += len(out.outputs[0].token_ids)
+        outs.append(out.outputs[0].token_ids)
+    after = spec.totals.as_tuple()
+    drafted, accepted = after[1] - before[1], after[2] - before[2]
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "outputs": outs,
+    }
+
+
+def compare(llm: LLM, prompts: list[Any], params: SamplingParams) -> dict[str, Any]:
+    """Without and with speculation on the same engine (a warm-up first), prompt by prompt in turn so that a
+    shared machine's load weighs on both alike; the outputs must agree."""
+    for speculate in (False, True):  # warm-up: the first passes of a shape are slow on the CPU (3-6x)
+        one_stream(llm, prompts[:2], params, speculate)
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for prompt in prompts:
+        for speculate in (False, True):
+            runs[speculate].append(one_stream(llm, [prompt], params, speculate))
+    out: dict[str, Any] = {}
+    for speculate, name in ((False, "baseline"), (True, "speculative")):
+        rs = runs[speculate]
+        tokens, seconds = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        drafted, accepted = sum(r["draft_tokens"] for r in rs), sum(r["accepted_tokens"] for r in rs)
+        out[name] = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+        }
+    out["speedup"] = out["speculative"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
+    out["identical"] = [r["outputs"] for r in runs[False]] == [r["outputs"] for r in runs[True]]
+    return out
+
+
+def walk_acceptance(match: list[bool], k: int) -> tuple[int, int, list[int], int]:
+    """The engine's walk over one greedy continuation whose positions the draft matches or not: (proposed,
+    accepted, accepted by position, steps)."""
+    t = proposed = accepted = steps = 0
+    by_pos = [0] * k
+    while t < len(match):
+        n = min(k, len(match) - t - 1)
+        a = 0
+        while a < n and match[t + a]:
+            by_pos[a] += 1
+            a += 1
+        proposed, accepted, steps = proposed + n, accepted + a, steps + 1
+        t += a + 1
+    return proposed, accepted, by_pos, steps
+
+
+def real_acceptance(target: LLM, prompts: list[Any], max_tokens: int) -> dict[str, Any]:
+    """The INT4 copy as a greedy draft of the f32 target (see the module docstring): acceptance by k."""
+    target.engine.speculator.active = False
+    outs = target.generate(prompts, greedy(max_tokens))
+    seqs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    draft = LLM(quantization="int4", seed=0)
+    try:
+        logits = draft.engine.runner.prompt_logits([p + c for p, c in seqs])
+    finally:
+        draft.shutdown()
+    match_lists = []
+    for (p, c), lg in zip(seqs, logits, strict=True):
+        # Row i predicts token i + 1: the draft's proposal for output token j is its argmax at row len(p) - 1 + j.
+        pred = lg[len(p) - 1 : len(p) - 1 + len(c)].argmax(dim=-1).tolist()
+        match_lists.append([a == b for a, b in zip(pred, c, strict=True)])
+    by_k = {}
+    for k in range(1, 6):
+        tot = [0, 0, [0] * k, 0]
+        for m in match_lists:
+            proposed, accepted, by_pos, steps = walk_acceptance(m, k)
+            tot = [
+                tot[0] + proposed,
+                tot[1] + accepted,
+                [x + y for x, y in zip(tot[2], by_pos, strict=True)],
+                tot[3] + steps,
+            ]
+        tokens = sum(len(m) for m in match_lists)
+        by_k[k] = {
+            "proposed": tot[0],
+            "accepted": tot[1],
+            "acceptance_rate": tot[1] / tot[0] if tot[0] else 0.0,
+            "accepted_by_position": tot[2],
+            "tokens_per_target_pass": tokens / tot[3],
+        }
+    per_token = sum(sum(m) for m in match_lists) / sum(len(m) for m in match_lists)
+    return {"per_token_agreement": per_token, "by_k": by_k, "tokens": sum(len(m) for m in match_lists)}
+
+
+def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
+    """The default model on the CPU: copy-heavy and random-token speedups, the INT4 copy's real acceptance."""
+    llm = LLM(speculative_config=NGRAM, seed=0)
+    res: dict[str, Any] = {"ngram": NGRAM}
+    prompts = copy_prompts(llm)
+    res["copy_heavy"] = compare(llm, prompts, greedy(args.copy_tokens))
+    rng = np.random.default_rng(0)
+    vocab = llm.config.model_config.vocab_size
+    randoms = [random_prompt(rng, 128, vocab) for _ in range(args.random_prompts)]
+    res["random_tokens"] = compare(llm, randoms, greedy(args.random_tokens))
+    if not args.skip_int4:
+        tok = llm.get_tokenizer()
+        opens = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in OPEN_PROMPTS]
+        res["int4_draft_acceptance"] = real_acceptance(llm, prompts + opens, args.copy_tokens)
+    llm.shutdown()
+    return res
+
+
+def gpu_tokens_per_s(llm: LLM, prompts: list[Any], max_tokens: int, speculate: bool) -> dict[str, Any]:
+    """Decode tokens/s of a batch run together (all prompts at once), the prefix cache reset first."""
+    spec = llm.engine.speculator
+    spec.active = speculate
+    llm.reset_prefix_cache()
+    before = spec.totals.as_tuple()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy(max_tokens))
+    wall = time.perf_counter() - t0
+    after = spec.totals.as_tuple()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafted, accepted = after[1] - before[1], after[2] - before[2]
+    return {
+        "tokens_per_s": tokens / wall,
+        "seconds": wall,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
+    """The H200 part: the oracle's speedup by k and by batch, then the INT4 self-draft's by k."""
+    rng = np.random.default_rng(0)
+    res: dict[str, Any] = {}
+    oracle = {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": args.alpha}
+    llm = LLM(model=args.model, speculative_config=oracle, gpu_memory_utilization=0.6, seed=0)
+    vocab = llm.config.model_config.vocab_size
+    prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(max(args.batches))]
+    speculator = llm.engine.speculator
+    proposer = speculator.proposer
+    base = gpu_tokens_per_s(llm, prompts[:1], 16, False)  # warm-up
+    rows = {}
+    for bsz in args.batches:
+        base = gpu_tokens_per_s(llm, prompts[:bsz], args.gen_tokens, False)
+        for prompt, out in zip(prompts[:bsz], base["outputs"], strict=True):
+            proposer.add_reference(prompt["prompt_token_ids"], out)
+        by_k = {}
+        for k in args.ks if bsz == 1 else [4]:
+            speculator.spec = replace(speculator.spec, num_speculative_tokens=k)
+            run = gpu_tokens_per_s(llm, prompts[:bsz], args.gen_tokens, True)
+            pairs = zip(base["outputs"], run["outputs"], strict=True)
+            agree = sum(a == b for o1, o2 in pairs for a, b in zip(o1, o2, strict=False))
+            by_k[k] = {
+                "tokens_per_s": run["tokens_per_s"],
+                "speedup": run["tokens_per_s"] / base["tokens_per_s"],
+                "acceptance_rate": run["acceptance_rate"],
+                "bf16_token_agreement": agree / sum(len(o) for o in base["outputs"]),
+            }
+        rows[bsz] = {"baseline_tokens_per_s": base["tokens_per_s"], "by_k": by_k}
+        print(f"oracle batch {bsz}: {rows[bsz]}", flush=True)
+    res["oracle"] = rows
+    pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
+    res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
+    free_llm(llm)
+    draft = {
+        "method": "draft_model",
+        "quantization": "int4",
+        "num_speculative_tokens": 4,
+        "oracle_acceptance_rate": args.alpha,
+    }
+    llm = LLM(model=args.model, speculative_config=draft, gpu_memory_utilization=0.6, seed=0)
+    speculator = llm.engine.speculator
+    gpu_tokens_per_s(llm, prompts[:1], 16, True)  # warm-up
+    base = gpu_tokens_per_s(llm, prompts[:1], args.gen_tokens, False)
+    oracle_of_draft = speculator.proposer.oracle
+    assert oracle_of_draft is not None
+    oracle_of_draft.add_reference(prompts[0]["prompt_token_ids"], base["outputs"][0])
+    by_k = {}
+    for k in args.ks:
+        speculator.spec = replace(speculator.spec, num_speculative_tokens=k)
+        run = gpu_tokens_per_s(llm, prompts[:1], args.gen_tokens, True)
+        by_k[k] = {
+            "tokens_per_s": run["tokens_per_s"],
+            "speedup": run["tokens_per_s"] / base["tokens_per_s"],
+            "acceptance_rate": run["acceptance_rate"],
+        }
+        print(f"int4 self-draft k={k}: {by_k[k]}", flush=True)
+    res["int4_self_draft"] = {"baseline_tokens_per_s": base["tokens_per_s"], "by_k": by_k}
+    free_llm(llm)
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    """The results as a table."""
+    lines = []
+    cpu = res.get("cpu")
+    if isinstance(cpu, dict) and "copy_heavy" in cpu:
+        lines.append("CPU, default model f32, one stream      base tok/s  spec tok/s  speedup  accept  same")
+        for name in ("copy_heavy", "random_tokens"):
+            r = cpu[name]
+            lines.append(
+                f"  {name:<36} {r['baseline']['tokens_per_s']:10.2f} {r['speculative']['tokens_per_s']:11.2f}"
+                f" {r['speedup']:7.2f}x {r['speculative']['acceptance_rate']:7.2f}  {r['identical']}"
+            )
+        acc = cpu.get("int4_draft_acceptance")
+        if acc:
+            lines.append(f"INT4 copy as greedy draft: per-token agreement {acc['per_token_agreement']:.3f}")
+            lines.append("  k  acceptance  tokens/pass  accepted by position")
+            for k, r in acc["by_k"].items():
+                rate, per_pass = r["acceptance_rate"], r["tokens_per_target_pass"]
+                lines.append(f"  {k}  {rate:10.3f}  {per_pass:11.2f}  {r['accepted_by_position']}")
+    gpu = res.get("gpu")
+    if isinstance(gpu, dict) and "oracle" in gpu:
+        lines.append("H200 oracle (alpha fixed)  batch  k  base tok/s  spec tok/s  speedup  accept")
+        for b, row in gpu["oracle"].items():
+            for k, r in row["by_k"].items():
+                lines.append(
+                    f"  {'':<24} {b:5} {k:2} {row['baseline_tokens_per_s']:11.1f} {r['tokens_per_s']:11.1f}"
+                    f" {r['speedup']:7.2f}x {r['acceptance_rate']:7.2f}"
+                )
+        lines.append(f"  speculation pays up to batch {gpu['oracle_pays_up_to_batch']}")
+        d = gpu.get("int4_self_draft")
+        if d:
+            for k, r in d["by_k"].items():
+                lines.append(
+                    f"  INT4 self-draft k={k}: {r['speedup']:.2f}x (accept {r['acceptance_rate']:.2f})"
+                )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("cpu", "gpu", "all"), default="cpu")
+    ap.add_argument("--model", help="the GPU part's 8B model directory (tinypaged weights random ...)")
+    ap.add_argument("--json")
+    ap.add_argument("--copy-tokens", type=int, default=96)
+    ap.add_argument("--random-tokens", type=int, default=64)
+    ap.add_argument("--random-prompts", type=int, default=4)
+    ap.add_argument("--skip-int4", action="store_true")
+    ap.add_argument("--alpha", type=float, default=0.8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    args = ap.parse_args()
+    res: dict[str, Any] = {"header": header(args)}
+    for part, fn in (("cpu", cpu_part), ("gpu", gpu_part)):
+        if args.part in (part, "all"):
+            try:
+                res[part] = fn(args)
+            except Exception as e:  # recorded; the other part still runs
+                traceback.print_exc()
+                res[part] = {"error": f"{type(e).__name__}: {e}"}
+            if args.json:
+                write_json(args.json, res)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()

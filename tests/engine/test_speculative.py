@@ -1,0 +1,189 @@
+"""Speculative decoding end to end on the default model (float32, CPU): greedy outputs and their logprobs equal
+the engine's without speculation (penalties, stop strings and max_tokens included), under forced preemption by
+recompute and by swap, with n > 1 and prefix caching, and under async scheduling; the KV cache's invariants
+hold after every step; seeded sampling repeats; the dynamic switch and the counters; bad input is refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.errors import ConfigError, RequestError
+from tinypaged.sampling_params import StructuredOutputsParams
+
+TEXT = (
+    "The river runs past the old mill, under the stone bridge, and into the quiet valley where the farmers "
+    "keep their sheep."
+)
+PROMPTS = [
+    f"Copy this sentence exactly.\nSentence: {TEXT}\nCopy: {TEXT[:30]}",
+    "List the numbers: 1, 2, 3, 4, 5, 6, 7,",
+    "The capital of France is",
+    f"Quote: '{TEXT}'. Again: '",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture
+def run(generate_with_stats):  # noqa: ANN001, ANN201
+    """`run(llm, prompts, params) -> (outputs, step stats)`, the KV cache's invariants checked after every step."""
+    return lambda llm, prompts, params: generate_with_stats(llm.engine, prompts, params, check=True)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(model_dir: Path) -> LLM:
+    """Async scheduling on (the GPU's default): speculation composes with it."""
+    return LLM(model=model_dir, seed=0, speculative_config=NGRAM, async_scheduling=True)
+
+
+GREEDY = [
+    SamplingParams(temperature=0.0, max_tokens=16, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.2),
+    SamplingParams(temperature=0.0, max_tokens=5),
+    SamplingParams(temperature=0.0, max_tokens=24, stop=["valley"], min_tokens=3),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> list:
+    return llm.generate(PROMPTS, GREEDY)
+
+
+def test_greedy_is_lossless(run, spec_llm: LLM, reference: list) -> None:
+    outs, steps = run(spec_llm, PROMPTS, GREEDY)
+    for got, want in zip(outs, reference, strict=True):
+        g, w = got.outputs[0], want.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert len(outs[2].outputs[0].token_ids) == 5
+    for g, w in zip(outs[0].outputs[0].logprobs, reference[0].outputs[0].logprobs, strict=True):
+        assert g.keys() == w.keys()
+        assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
+    drafted = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_tokens for s in steps)
+    assert 0 < accepted < drafted  # some proposals accepted, some rejected and rolled back
+    assert sum(s.accepted_by_position[0] for s in steps if s.accepted_by_position) > 0
+    assert len(steps) < max(len(o.outputs[0].token_ids) for o in outs)  # several tokens a step
+    stats = spec_llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens >= accepted and stats.spec_decode_num_draft_tokens >= drafted
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_during_speculation(run, model_dir: Path, reference: list, mode: str) -> None:
+    small = LLM(
+        model=model_dir,
+        speculative_config=NGRAM,
+        block_size=8,
+        num_gpu_blocks_override=12,
+        preemption_mode=mode,
+        swap_space=0.2,
+        enable_prefix_caching=False,
+    )
+    outs, steps = run(small, PROMPTS[:3], GREEDY[:3])
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference[:3]]
+    assert sum(s.num_preempted for s in steps) > 0
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+
+
+def test_n_and_seeds_with_prefix_caching(run, spec_llm: LLM) -> None:
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, seed=11, max_tokens=10)
+    first, steps = run(spec_llm, PROMPTS[:1] * 2, [params] * 2)  # a repeated prompt: prefix-cache hits
+    again, _ = run(spec_llm, PROMPTS[:1], [params])
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in first[0].outputs]
+    assert [c.token_ids for c in first[1].outputs] == [c.token_ids for c in first[0].outputs]
+    assert sum(s.num_draft_tokens for s in steps) > 0 and sum(s.num_blocks_copied for s in steps) > 0
+
+
+def test_disable_by_batch_size(run, spec_llm: LLM) -> None:
+    speculator = spec_llm.engine.speculator
+    spec = speculator.spec
+    speculator.spec = replace(spec, disable_by_batch_size=1)
+    try:
+        short = SamplingParams(temperature=0.0, max_tokens=3)
+        long = SamplingParams(temperature=0.0, max_tokens=14)
+        _, steps = run(spec_llm, PROMPTS[:2], [long, short])
+    finally:
+        speculator.spec = spec
+    running_two = [s for s in steps if s.num_seqs == 2]
+    assert running_two and all(s.num_draft_tokens == 0 for s in running_two)
+    assert sum(s.num_draft_tokens for s in steps if s.num_seqs == 1) > 0
+
+
+def test_bad_input(model_dir: Path, tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    for bad, words in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown key 'bogus'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            LLM(model=model_dir, speculative_config=bad)
+    other = tiny_hf_model(tmp_path / "draft", "Llama", vocab_size=1000)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(model=model_dir, speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_beam_search_is_refused(spec_llm: LLM) -> None:
+    beams = SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, max_tokens=4)
+    with pytest.raises(RequestError) as e:
+        spec_llm.generate(["hello"], beams)
+    assert e.value.param == "use_beam_search"
+    assert not spec_llm.engine.has_unfinished_requests()
+
+
+def test_oracle_proposer(run, model_dir: Path, reference: list) -> None:
+    oracle = {"method": "oracle", "num_speculative_tokens": 3, "acceptance_rate": 1.0}
+    llm = LLM(model=model_dir, speculative_config=oracle)
+    proposer = llm.engine.speculator.proposer
+    proposer.add_reference(reference[0].prompt_token_ids, reference[0].outputs[0].token_ids)
+    for alpha, params in ((1.0, GREEDY[0]), (0.0, GREEDY[2])):
+        proposer.alpha = alpha
+        outs, steps = run(llm, PROMPTS[:1], [params])
+        assert outs[0].outputs[0].token_ids == reference[0].outputs[0].token_ids[: params.max_tokens]
+        drafted = sum(s.num_draft_tokens for s in steps)
+        accepted = sum(s.num_accepted_tokens for s in steps)
+        assert drafted > 0 and accepted == (drafted if alpha == 1.0 else 0)
+
+
+def test_draft_model_proposer(run, tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    """A tiny random target drafting for itself (its own directory as the draft): its draft KV cache is paged,
+    rolled back and freed; greedy proposals are nearly all accepted, outputs lossless, seeds repeat."""
+    tiny = tiny_hf_model(tmp_path / "tiny", "Llama", max_position_embeddings=128)
+    prompts = [{"prompt_token_ids": [5, 9, 200, 7, 5, 9]}, {"prompt_token_ids": list(range(30, 50))}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=tiny, block_size=4).generate(prompts, greedy)
+    draft = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 3}
+    llm = LLM(model=tiny, block_size=4, speculative_config=draft)
+    outs, steps = run(llm, prompts, [greedy] * 2)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    drafted = sum(s.num_draft_tokens for s in steps)
+    assert drafted > 0 and sum(s.num_accepted_tokens for s in steps) >= 0.9 * drafted
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    runs = [[o.outputs[0].token_ids for o in run(llm, prompts, [seeded] * 2)[0]] for _ in range(2)]
+    assert runs[0] == runs[1]
+    proposer = llm.engine.speculator.proposer
+    proposer.kv.check_integrity()
+    assert not proposer._mirror or all(b.ref_count >= 0 for b in proposer.kv.gpu_pool.blocks)
+
+
+def test_structured_outputs_speculate_and_roll_back(run, spec_llm: LLM, llm: LLM) -> None:
+    """A grammar masks every verified position, its matcher advanced through the proposals and rolled back:
+    greedy output equal to the engine's without speculation, proposals both accepted and refused."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "tags"],
+    }
+    prompts = ['JSON: {"name": "abc", "tags": ["abc", "abc"]}. Again:']
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    want = llm.generate(prompts, params)[0].outputs[0]
+    outs, steps = run(spec_llm, prompts, [params])
+    assert outs[0].outputs[0].token_ids == want.token_ids and outs[0].error is None
+    drafted = sum(s.num_draft_tokens for s in steps)
+    assert 0 < sum(s.num_accepted_tokens for s in steps) < drafted
+    assert sum(s.num_constrained for s in steps) > 0

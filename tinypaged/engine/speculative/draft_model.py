@@ -1,0 +1,169 @@
+"""The draft-model proposer: a smaller model of the target's vocabulary (or the target itself, quantized: its
+own low-bit copy, `quantization="int4"` through the loader's low-bit path) proposes k tokens autoregressively,
+greedy for a greedy request and sampled otherwise, with the distribution q it sampled each from kept for the
+target's rejection sampling.
+
+The draft's KV cache is paged by the same block manager (core/kv_cache_manager.py) over a pool of its own. Per
+sequence it remembers the tokens whose K/V it holds; at the next proposal it keeps the longest prefix of them
+that the sequence still has (the proposals the target accepted) and gives back the blocks past it, then
+catches up on the rest in one ragged pass, and decodes k - 1 more. A sequence that left the GPU (finished,
+preempted, swapped) is freed at the next proposal; it catches up from its prompt when it comes back. A sequence
+whose blocks do not fit in the draft's pool gets no proposal that step (it decodes as without speculation).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tinypaged.config import EngineConfig, ModelConfig
+from tinypaged.core.kv_cache_manager import KVCacheManager, cdiv
+from tinypaged.core.sequence import Sequence
+from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged.engine.request import Request
+from tinypaged.engine.sampling.rejection import target_probs
+from tinypaged.engine.sampling.sampler import _GAMMA, SamplingRow, mix64, upload
+from tinypaged.engine.speculative.proposers import NO_PROPOSAL, OracleProposer, Proposal
+from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.speculative import SpeculativeConfig
+
+_DRAFT = 0xD4AF7  # salt: the draft's uniforms are independent of verification's
+
+
+class DraftModelProposer:
+    """Runs the draft model over its own paged KV cache; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, runner: ModelRunner) -> None:
+        mcfg = ModelConfig.from_dir(spec.model) if spec.model is not None else config.model_config
+        assert config.max_model_len is not None
+        self.device, self.dtype = runner.device, runner.dtype
+        self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len, None, spec.quantization)
+        self.block_size = bs = config.block_size
+        # Room for a few sequences at max_model_len, never more than the target's pool: the draft is small.
+        blocks = min(runner.num_gpu_blocks, cdiv(config.max_model_len, bs) * min(config.max_num_seqs, 4) + 8)
+        self.kv = KVCacheManager(bs, blocks, 0, watermark=0.0)
+        shape = (mcfg.num_layers, 2, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
+        self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.vocab_size = config.model_config.vocab_size
+        self._mirror: dict[int, Sequence] = {}  # per sequence: the tokens whose K/V the draft holds
+        # Benchmarks: keep the draft's cost, replace its proposals as the oracle's (docs/speculative.md).
+        self.oracle: OracleProposer | None = None
+        if spec.oracle_acceptance_rate is not None:
+            self.oracle = OracleProposer(spec.oracle_acceptance_rate, self.vocab_size, config.seed)
+
+    def free(self, seq_id: int) -> None:
+        """Forget a sequence: its draft blocks go back."""
+        if self._mirror.pop(seq_id, None) is not None:
+            self.kv.free(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
+        """k tokens per sequence, drawn one position at a time from the draft's processed distribution."""
+        live = {seq.seq_id for _, seq, _ in batch}
+        for seq_id in [s for s in self._mirror if s not in live]:
+            self.free(seq_id)  # left the GPU or ended since the last proposal
+        items = [(req, seq, k) for req, seq, k in batch if self._catch_up_fits(seq, k)]
+        if not items:
+            return [NO_PROPOSAL] * len(batch)
+        mirrors = [self._mirror[seq.seq_id] for _, seq, _ in items]
+        # Catch up: every token the draft has not computed, the sequence's last included; then k - 1 decodes.
+        feed = [m.token_ids[m.num_computed_tokens :] for m in mirrors]
+        drafts: list[list[int]] = [[] for _ in items]
+        qs: list[list[torch.Tensor]] = [[] for _ in items]
+        active = list(range(len(items)))
+        for step in range(max(k for _, _, k in items)):
+            logits = self._forward([mirrors[i] for i in active], [feed[i] for i in active])
+            rows = [self._row(items[i][0], items[i][1], step) for i in active]
+            probs = target_probs(logits.float(), rows)
+            tokens = self._draw(probs, rows, [mirrors[i].num_tokens for i in active])
+            nxt = []
+            for a, i in enumerate(active):
+                drafts[i].append(tokens[a])
+                qs[i].append(probs[a])
+                if len(drafts[i]) < items[i][2]:
+                    mirrors[i].append_token(tokens[a])
+                    feed[i] = [tokens[a]]
+                    nxt.append(i)
+            active = nxt
+            if not active:
+                break
+        out = {
+            seq.seq_id: Proposal(tuple(drafts[i]), torch.stack(qs[i])) for i, (_, seq, _) in enumerate(items)
+        }
+        if self.oracle is not None:  # the draft's cost kept, its proposals replaced (point masses)
+            for _, seq, _ in items:
+                n = len(out[seq.seq_id].tokens)
+                out[seq.seq_id] = Proposal(self.oracle.corrupt(self.oracle.reference(seq, n)))
+        return [out.get(seq.seq_id, NO_PROPOSAL) for _, seq, _ in batch]
+
+    def _catch_up_fits(self, seq: Sequence, k: int) -> bool:
+        """Bring the sequence's mirror to its tokens (keeping the K/V of the prefix they share, freeing the rest)
+        and allocate the blocks this proposal writes; False (the mirror dropped) if the pool has no room."""
+        mirror = self._mirror.get(seq.seq_id)
+        if mirror is None:
+            mirror = self._mirror[seq.seq_id] = Sequence(seq.seq_id, seq.token_ids)
+        else:
+            held = mirror.token_ids
+            same = next(
+                (i for i, (a, b) in enumerate(zip(held, seq.token_ids, strict=False)) if a != b),
+                min(len(held), len(seq.token_ids)),
+            )
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, same, len(seq.token_ids) - 1)
+            mirror.token_ids = list(seq.token_ids)
+            self.kv.trim(mirror)
+        # The catch-up writes up to the last token, each decode one proposal more (the last proposal never).
+        need = len(mirror.token_ids) - mirror.num_computed_tokens + k - 1
+        if self.kv.allocate_slots(mirror, need) is None:
+            self.free(seq.seq_id)
+            return False
+        return True
+
+    def _row(self, req: Request, seq: Sequence, step: int) -> SamplingRow:
+        """The draft's sampling row for proposal `step` (its temperature and truncation: q is what it draws)."""
+        seed_key = req.states[seq.seq_id].seed_key if seq.seq_id in req.states else None
+        return SamplingRow(req.params, [], [], seed_key, (), seq.num_tokens - seq.prompt_len + step)
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow], positions: list[int]) -> list[int]:
+        """One token per row from `probs` (greedy rows are point masses), by inverse CDF on a uniform that is a
+        function of the seed and the position for seeded requests."""
+        fresh = torch.rand(len(rows), dtype=torch.float64).tolist()
+        us = [
+            fresh[i]
+            if r.seed_key is None
+            else ((mix64(mix64(r.seed_key + p * _GAMMA) ^ _DRAFT) >> 11) + 0.5) / 2**53
+            for i, (r, p) in enumerate(zip(rows, positions, strict=True))
+        ]
+        cdf = probs.cumsum(dim=-1)
+        u = upload([min(max(x, 2.0**-24), 1 - 2.0**-24) for x in us], torch.float32, probs.device)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        return drawn.clamp(max=probs.shape[-1] - 1).tolist()
+
+    def _forward(self, mirrors: list[Sequence], feed: list[list[int]]) -> torch.Tensor:
+        """The draft over each mirror's `feed` tokens from its computed position (K/V written to its blocks);
+        the logits of each one's last token. The mirrors advance past what they were fed."""
+        bs, dev = self.block_size, self.device
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        for m, toks in zip(mirrors, feed, strict=True):
+            first = m.num_computed_tokens
+            table = self.kv.get_block_table(m.seq_id)
+            ids += toks
+            pos += range(first, first + len(toks))
+            slots += [table[p // bs] * bs + p % bs for p in range(first, first + len(toks))]
+            lens.append(first + len(toks))
+            tables.append(table)
+            m.num_computed_tokens += len(toks)
+        width = max(len(t) for t in tables)
+        starts = list(itertools.accumulate((len(t) for t in feed), initial=0))
+        meta = AttentionMetadata(
+            upload(slots, torch.int64, dev),
+            upload([t + [0] * (width - len(t)) for t in tables], torch.int32, dev),
+            upload(lens, torch.int32, dev),
+            upload(starts, torch.int32, dev),
+            max(len(t) for t in feed),
+            max(lens),
+        )
+        hidden = self.model(
+            upload(ids, torch.int64, dev), upload(list(pos), torch.int64, dev), self.cache, meta
+        )
+        return self.model.compute_logits(hidden[upload([s - 1 for s in starts[1:]], torch.int64, dev)])

@@ -1,0 +1,110 @@
+"""Proposers: what guesses the tokens after a sequence for the target to verify. The interface takes a step's
+sequences at once (a draft model runs them as one batch) and answers each with up to k tokens, and the draft's
+distribution at each when it sampled them (None: a point mass, the proposer is deterministic).
+
+`NgramProposer` is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence of the
+sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min. `OracleProposer` (benchmarks)
+proposes the target's own greedy continuation, known beforehand, each token kept with probability alpha and
+replaced by a wrong one otherwise, at no cost: it measures verification itself. Learned heads (EAGLE, MTP)
+would be proposers too: they answer the same call.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from tinypaged.core.sequence import Sequence
+from tinypaged.engine.request import Request
+
+
+class Proposal(NamedTuple):
+    """Tokens proposed to follow a sequence, and the draft's distribution at each `[len(tokens), vocab]` when it
+    drew them (None: each is a point mass)."""
+
+    tokens: tuple[int, ...]
+    q: torch.Tensor | None = None
+
+
+NO_PROPOSAL = Proposal(())
+
+
+class Proposer(Protocol):
+    """Proposes tokens for a step's speculating sequences."""
+
+    def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
+        """For each (request, sequence, k): at most k tokens to follow the sequence's token_ids."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """The sequence ended or left the GPU: forget any state kept for it."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram"): match the last n tokens earlier in the sequence and propose what followed."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
+        """The continuation of the latest earlier match of the longest suffix that has one."""
+        return [Proposal(ngram_lookup(seq.token_ids, self.min_n, self.max_n, k)) for _, seq, k in batch]
+
+    def free(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
+
+
+def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens (the longest n in
+    [min_n, max_n] that occurs earlier); () if none does."""
+    total = len(token_ids)
+    if total <= min_n or k <= 0:
+        return ()
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        # Windows that start before the suffix itself and are followed by at least one token.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: total - 1], n)
+        hits = np.flatnonzero((windows == ids[total - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tuple(token_ids[start : start + k])
+    return ()
+
+
+class OracleProposer:
+    """Benchmarks only: proposes each sequence's reference continuation (the target's own greedy output, given
+    by `add_reference`), each token right with probability `alpha` and a wrong one otherwise, at no cost. A
+    sequence off its reference (or without one) gets no proposal."""
+
+    def __init__(self, alpha: float, vocab_size: int, seed: int = 0) -> None:
+        self.alpha = alpha
+        self.vocab_size = vocab_size
+        self._rng = random.Random(seed)
+        self._refs: dict[tuple[int, ...], list[int]] = {}
+
+    def add_reference(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        """The continuation to propose after this prompt (the target's greedy output for it)."""
+        self._refs[tuple(prompt_token_ids)] = list(output_token_ids)
+
+    def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
+        """The reference's next k tokens, each replaced by a wrong token with probability 1 - alpha."""
+        return [Proposal(self.corrupt(self.reference(seq, k))) for _, seq, k in batch]
+
+    def reference(self, seq: Sequence, k: int) -> list[int]:
+        """The next (up to) k tokens of the sequence's reference; [] when it has none or left it."""
+        ref = self._refs.get(tuple(seq.token_ids[: seq.prompt_len]))
+        done = len(seq.token_ids) - seq.prompt_len
+        if ref is None or ref[:done] != seq.token_ids[seq.prompt_len :]:
+            return []
+        return ref[done : done + k]
+
+    def corrupt(self, tokens: list[int]) -> tuple[int, ...]:
+        """Each token kept with probability alpha, else replaced by another (the next id, wrapping)."""
+        return tuple(t if self._rng.random() < self.alpha else (t + 1) % self.vocab_size for t in tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
