@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from tinypaged import __version__
+from tinypaged.server.local import wait_healthy
 
 APP_NAME = "tinypaged"
 
@@ -56,20 +55,6 @@ def run(
     url = f"http://{host}:{port}"
     wait_healthy(url, timeout=600.0)
     return url
-
-
-def wait_healthy(url: str, timeout: float) -> None:
-    """Wait for `url`/health to answer 200 (RuntimeError after `timeout` seconds)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/health did not answer within {timeout:.0f} s")
 
 
 def stop() -> None:

@@ -37,6 +37,20 @@ def engine_core_pid(server_pid: int) -> int | None:
     return cores[0] if len(cores) == 1 else None
 
 
+def wait_healthy(url: str, timeout: float, what: str | None = None) -> None:
+    """Wait for `url`/health to answer 200; RuntimeError after `timeout` seconds (`what`: how to say it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}/health did not answer within {what or f'{timeout:.0f} s'}")
+
+
 class LocalServer:
     """A `tinypaged serve` process on a free loopback port (`url`), started and stopped as a context."""
 
@@ -95,16 +109,13 @@ class LocalServer:
             if code is None:
                 raise RuntimeError(f"tinypaged serve did not listen within {self.start_timeout:.0f} s")
             raise RuntimeError(f"tinypaged serve exited ({code}) before it printed its URL")
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        self.ready_s = time.monotonic() - t0
-                        return self
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.url}/health did not answer within {self.start_timeout:.0f} s")
+        try:
+            wait_healthy(self.url, deadline - time.monotonic(), what=f"{self.start_timeout:.0f} s")
+        except RuntimeError:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - t0
+        return self
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait (SIGKILL after `timeout`); the exit status."""
