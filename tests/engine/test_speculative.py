@@ -167,6 +167,14 @@ def test_draft_model_proposer(run, tmp_path: Path, tiny_hf_model) -> None:  # no
     proposer = llm.engine.speculator.proposer
     proposer.kv.check_integrity()
     assert not proposer._mirror or all(b.ref_count >= 0 for b in proposer.kv.gpu_pool.blocks)
+    # The warm-up runs the draft over a catch-up of 17 and 16 tokens, then decodes, and gives its blocks back.
+    calls: list[list[int]] = []
+    forward = proposer._forward
+    proposer._forward = lambda mirrors, feed: calls.append([len(t) for t in feed]) or forward(mirrors, feed)
+    free = proposer.kv.num_free_gpu_blocks
+    llm.engine.speculator.warm_up()
+    assert calls == [[17, 16], [1, 1], [1]] and proposer.kv.num_free_gpu_blocks == free
+    proposer.kv.check_integrity()
 
 
 def test_structured_outputs_speculate_and_roll_back(run, spec_llm: LLM, llm: LLM) -> None:

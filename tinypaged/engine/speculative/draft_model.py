@@ -58,6 +58,20 @@ class DraftModelProposer:
             self.kv.free(seq_id)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """The draft's kernels compiled before ready (its shapes are not the target's; an INT4 copy launches
+        kernels the target never does): a catch-up of 17 and of 16 tokens (Triton specialises lengths on
+        multiples of 16), then decodes of two rows and of one, on scratch sequences whose blocks go back."""
+        scratch = [Sequence(-1 - i, [0] * n) for i, n in enumerate((17, 16))]
+        for m in scratch:
+            assert self.kv.allocate_slots(m, len(m.token_ids) + 2) is not None
+        self._forward(scratch, [m.token_ids for m in scratch])
+        self._forward(scratch, [[0], [0]])
+        self._forward(scratch[:1], [[0]])
+        for m in scratch:
+            self.kv.free(m.seq_id)
+
+    @torch.inference_mode()
     def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
         """k tokens per sequence, drawn one position at a time from the draft's processed distribution."""
         live = {seq.seq_id for _, seq, _ in batch}

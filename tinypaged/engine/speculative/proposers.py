@@ -43,6 +43,10 @@ class Proposer(Protocol):
         """The sequence ended or left the GPU: forget any state kept for it."""
         ...
 
+    def warm_up(self) -> None:
+        """Before the server is ready: launch once what proposing launches (a model's kernels compile then)."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): match the last n tokens earlier in the sequence and propose what followed."""
@@ -56,6 +60,9 @@ class NgramProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def warm_up(self) -> None:
+        """Nothing to compile: proposing runs on the host."""
 
 
 def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
@@ -108,3 +115,6 @@ class OracleProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def warm_up(self) -> None:
+        """Nothing to compile: proposing runs on the host."""

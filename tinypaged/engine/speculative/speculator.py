@@ -105,6 +105,11 @@ class Speculator:
         self._proposed: list[Sequence] = []
         self._q: dict[int, torch.Tensor] = {}
 
+    def warm_up(self) -> None:
+        """Compile what the proposer launches (the engine's warm-up calls it before ready)."""
+        if self.proposer is not None:
+            self.proposer.warm_up()
+
     def propose(self, scheduler: Scheduler, requests: Mapping[str, Request]) -> None:
         """Give each eligible decoding sequence of the scheduler's running groups its proposal
         (`spec_token_ids`), unless more requests run or wait than disable_by_batch_size."""

@@ -215,6 +215,7 @@ def _run(engine: LLMEngine, steps: list[SchedulerOutput]) -> None:
     out = engine.executor.execute(steps[-1], (0,))
     assert out is not None
     _warm_sampler(engine, out.logits)
+    engine.speculator.warm_up()  # a draft model's own kernels
 
 
 def _warm_sampler(engine: LLMEngine, logits: torch.Tensor) -> None:
