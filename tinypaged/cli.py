@@ -47,13 +47,18 @@ def _serve(args: argparse.Namespace) -> int:
     from tinypaged.engine.frontend.async_engine import AsyncEngine
     from tinypaged.engine.frontend.process_engine import ProcessEngine
     from tinypaged.server.app import ServerConfig, serve
+    from tinypaged.weights.fetch import DEFAULT_MODEL_NAME, default_gguf_path
 
-    engine_config = EngineConfig(**_engine_args(args))
+    kwargs = _engine_args(args)
+    default_gguf = kwargs["model"] is None and kwargs["quantization"] is None and _on_cpu(kwargs["device"])
+    if default_gguf:  # the default model as shipped, its Q4_1 GGUF kept quantized (docs/quantization.md)
+        kwargs["model"] = default_gguf_path()
+    engine_config = EngineConfig(**kwargs)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or (DEFAULT_MODEL_NAME if default_gguf else None),
         max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
@@ -67,6 +72,15 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_replicas(args, engine_config, server_config)
     engine = ProcessEngine if args.engine_process else AsyncEngine
     return serve(lambda: engine(engine_config, stall_timeout=args.engine_stall_timeout), server_config)
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether the engine runs on the CPU: asked to, or "auto" without a CUDA GPU."""
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _serve_replicas(args: argparse.Namespace, engine_config: EngineConfig, server_config: typing.Any) -> int:

@@ -16,7 +16,7 @@ from torch import nn
 from tinypaged import ops
 from tinypaged.config import ModelConfig
 from tinypaged.model.parallel import TPGroup
-from tinypaged.model.quant import Linear, fp8, linear_method
+from tinypaged.model.quant import Linear, cpu, fp8, linear_method
 from tinypaged.quantization import Quantization
 
 
@@ -190,7 +190,26 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.tp = tp
 
+        self.int8: cpu.Int8Embedding | None = None  # keep_int8: the weight in a byte a weight
+
+    def keep_int8(self) -> bool:
+        """Hold the weight (float32 on the CPU, one rank) as its Q8_0 codes and scales where they give every
+        value exactly, with an int8 LM head of the same values (model/quant/cpu.py), freeing the float32
+        weight; False (nothing changed) where they do not."""
+        if self.tp.size > 1 or self.weight.device.type != "cpu":
+            return False
+        self.int8 = cpu.int8_embedding(self.weight.data)
+        if self.int8 is None:
+            return False
+        self.weight = nn.Parameter(self.weight.data[:0], requires_grad=False)
+        held = (*self.int8[:2], *self.int8.head[:2])
+        for name, t in zip(("codes", "scales", "head_codes", "head_scales"), held, strict=True):
+            setattr(self, name, nn.Parameter(t, requires_grad=False))  # counted as the model's weights
+        return True
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8.lookup(ids)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -312,8 +331,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits `[N, vocab]` of the given hidden rows, in the model's dtype (on every rank: each computes its
         vocabulary range, then they are gathered). Consumers upcast where they need to (log-softmax, penalties): a
         bf16 row is read at half the bytes of an fp32 copy, and greedy's argmax is exact on it."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = ops.linear(hidden, weight)
+        if self.lm_head is None and self.embed_tokens.int8 is not None:
+            logits = self.embed_tokens.int8.logits(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = ops.linear(hidden, weight)
         if self.tp.size > 1:
             logits = self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
         if self.cfg.final_logit_softcapping:

@@ -78,13 +78,16 @@ def load_model(
     max_positions: int,
     tp: TPGroup | None = None,
     quantization: str | None = None,
+    cpu_kernels: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model (this rank's share of it, under tensor parallelism) on the meta device, then
     materialise each parameter once on `device` in `dtype` and copy the checkpoint's slices into it: a rank
     reads only its own slices from the safetensors files, and no second copy of the weights is ever held.
     The linear layers run as the checkpoint's quantization_config says, or quantized at load as `quantization`
     asks (tinypaged/quantization.py); a scheme that cannot run is refused before anything is materialised.
-    Their methods keep the dtypes of their formats (FP8 values, float32 scales)."""
+    Their methods keep the dtypes of their formats (FP8 values, float32 scales). With `cpu_kernels` (the
+    engine's choice; tests that read the layout leave it off), weight-only layers on the CPU are repacked for
+    torch's kernels, and a GGUF model's tied embedding is held in its int8 codes (model/quant/cpu.py)."""
     tp = tp or TPGroup()
     quant = resolve_quantization(
         cfg.quantization_config, quantization, str(cfg.path), cfg.num_layers, not cfg.tie_word_embeddings
@@ -138,8 +141,13 @@ def load_model(
         )
     for layer in linears.values():
         layer.method.finish(layer)
+        if cpu_kernels:
+            layer.method.pack_for_cpu(layer)
     model.fold_norm_offsets()
     model.init_rope()
+    gguf = (cfg.quantization_config or {}).get("quant_method") == "gguf"
+    if cpu_kernels and gguf and cfg.tie_word_embeddings:
+        model.embed_tokens.keep_int8()  # the file's Q8_0 codes found back, on the CPU
     return model.eval()
 
 

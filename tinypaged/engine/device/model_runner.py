@@ -153,7 +153,13 @@ class ModelRunner:
             self.stats.compile_cache = compile_cache.setup().describe()
         t0 = time.perf_counter()
         self.model = load_model(
-            mcfg, self.dtype, self.device, config.max_model_len, self.tp, config.quantization
+            mcfg,
+            self.dtype,
+            self.device,
+            config.max_model_len,
+            self.tp,
+            config.quantization,
+            cpu_kernels=True,
         )
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

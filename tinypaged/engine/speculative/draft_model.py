@@ -38,7 +38,9 @@ class DraftModelProposer:
         mcfg = ModelConfig.from_dir(spec.model) if spec.model is not None else config.model_config
         assert config.max_model_len is not None
         self.device, self.dtype = runner.device, runner.dtype
-        self.model = load_model(mcfg, self.dtype, self.device, config.max_model_len, None, spec.quantization)
+        self.model = load_model(
+            mcfg, self.dtype, self.device, config.max_model_len, None, spec.quantization, cpu_kernels=True
+        )
         self.block_size = bs = config.block_size
         # Room for a few sequences at max_model_len, never more than the target's pool: the draft is small.
         blocks = min(runner.num_gpu_blocks, cdiv(config.max_model_len, bs) * min(config.max_num_seqs, 4) + 8)

@@ -20,7 +20,7 @@ from torch import nn
 
 from tinypaged import ops
 from tinypaged.errors import ConfigError
-from tinypaged.model.quant import fp8, lowbit
+from tinypaged.model.quant import cpu, fp8, lowbit
 from tinypaged.quantization import Fp8Scheme, IntScheme, Scheme
 
 
@@ -102,6 +102,9 @@ class LinearMethod:
 
     def finish(self, layer: Linear) -> None:
         """After every tensor is loaded: repack for the kernels that run the layer (nothing to do here)."""
+
+    def pack_for_cpu(self, layer: Linear) -> None:
+        """On the CPU, repack the loaded weight for torch's fast kernels where they take it (nothing here)."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for input rows x (quantized ones where `fp8_input`)."""
@@ -212,6 +215,7 @@ class IntLinearMethod(LinearMethod):
             zeros = torch.empty(cols // group, out, dtype=torch.uint8)
             layer.zeros = keep_dtype(nn.Parameter(zeros, requires_grad=False))
         layer.mins = None
+        layer.cpu = None  # set by finish on the CPU
         if s.mins:
             layer.mins = keep_dtype(nn.Parameter(torch.empty(cols // group, out), requires_grad=False))
 
@@ -286,10 +290,28 @@ class IntLinearMethod(LinearMethod):
         elif suffix == "weight_shape" and src.numel() != 2:
             raise ConfigError(f"{layer.name}.weight_shape has {src.numel()} values, expected 2")
 
+    def pack_for_cpu(self, layer: Linear) -> None:
+        """On the CPU, pack the weight for torch's kernels where they take it (model/quant/cpu.py) and free
+        the layout's tensors: the packed ones are the layer's weight from then on."""
+        s = self.scheme
+        zeros, mins = layer.zeros is not None, layer.mins is not None
+        on_cpu = layer.qweight.device.type == "cpu"
+        if not on_cpu or not cpu.packable(
+            s.bits, layer.group, layer.out_features, layer.in_features, zeros, mins
+        ):
+            return
+        codes = lowbit.unpack(layer.qweight, s.bits)
+        layer.cpu = cpu.pack(codes, layer.scales, layer.zeros, layer.mins, s.bits, layer.group)
+        for name in ("qweight", "scales", "zeros", "mins"):
+            if getattr(layer, name) is not None:
+                setattr(layer, name, keep_dtype(nn.Parameter(getattr(layer, name)[:0], requires_grad=False)))
+        layer.packed_codes = nn.Parameter(layer.cpu.codes, requires_grad=False)  # counted as the weights
+        layer.packed_scales = nn.Parameter(layer.cpu.scales, requires_grad=False)
+
     def weight(self, layer: Linear) -> lowbit.IntWeight:
         """The layer's weight as the kernels take it."""
         return lowbit.IntWeight(
-            layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group, layer.mins
+            layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group, layer.mins, layer.cpu
         )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,11 @@ checkpoint format is repacked into it at load (`IntLinearMethod` in model/quant/
 converters below), losslessly: unpacking gives the
 checkpoint's own codes, zero points and scales.
 
-`ref_wint_linear` is `x @ dequant(W).T (+ bias)` in float32, returned in x's dtype: what the CPU runs (the weight
-dequantized a layer at a time: correct, not fast) and what the kernels match, up to the order of float32 sums
-(the tensor-core path and the GEMV take the same float32 products; only steps past GEMM_ROWS round the weight to
-the activations' dtype first).
+`ref_wint_linear` is `x @ dequant(W).T (+ bias)` in float32, returned in x's dtype: what the kernels match, up
+to the order of float32 sums (the tensor-core path and the GEMV take the same float32 products; only steps past
+GEMM_ROWS round the weight to the activations' dtype first). On the CPU, layers that torch's packed kernels take
+(INT4 in groups of 32 to 256, INT8 per row) run them in bf16 (model/quant/cpu.py); the others run the reference
+(the weight dequantized a layer at a time: correct, not fast).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from tinypaged import ops
+from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 
 # Steps of up to GEMV_ROWS rows go through the Triton GEMV, up to GEMM_ROWS through the Triton tensor-core
 # kernel, larger ones dequantize the weight (one launch) and take torch's matmul. First guesses for the H200
@@ -35,7 +37,8 @@ GEMM_ROWS = 64
 
 class IntWeight(NamedTuple):
     """A weight as the kernels take it: packed codes, float32 scales, zero points (None: symmetric), the bits
-    of a code (4 or 8), the columns of a group and GGUF's float32 per-group offsets (None: none)."""
+    of a code (4 or 8), the columns of a group, GGUF's float32 per-group offsets (None: none) and, on the CPU,
+    the same weight packed for torch's kernels."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -43,6 +46,7 @@ class IntWeight(NamedTuple):
     bits: int
     group: int
     mins: torch.Tensor | None = None
+    cpu: CpuPacked | None = None  # packed for torch's CPU kernels (model/quant/cpu.py), the rest then empty
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -146,10 +150,13 @@ def ref_wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = N
 def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A weight-only INT4 / INT8 linear layer with `ref_wint_linear`'s numbers, on any device: by the row
     count, the Triton GEMV (up to GEMV_ROWS), the tensor-core kernel (up to GEMM_ROWS) or the weight
-    dequantized to x's dtype and torch's matmul; the reference on the CPU."""
+    dequantized to x's dtype and torch's matmul; on the CPU torch's packed kernels in bf16 where the layer
+    was packed for them (model/quant/cpu.py), else the reference."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    if w.cpu is not None:
+        return packed_linear(x2, w.cpu, bias).reshape(*lead, -1)
     if not ops.uses_triton(x2) or m == 0 or w.mins is not None or w.group % 32:
         return ref_wint_linear(x, w, bias)
     if x2.stride(1) != 1:
