@@ -126,10 +126,10 @@ def _q8(w: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    """Each prompt in the chat template, as token ids (both engines then read the same ids)."""
     tok = llm.get_tokenizer()
-    return [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts
-    ]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def ours_single(llm: LLM, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
