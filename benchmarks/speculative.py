@@ -254,7 +254,9 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     res: dict[str, Any] = {}
     oracle = {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": args.alpha}
-    llm = LLM(model=args.model, speculative_config=oracle, gpu_memory_utilization=0.6, seed=0)
+    llm = LLM(
+        model=args.model, speculative_config=oracle, max_model_len=4096, gpu_memory_utilization=0.6, seed=0
+    )
     vocab = llm.config.model_config.vocab_size
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(max(args.batches))]
     speculator = llm.engine.speculator
@@ -289,7 +291,9 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": 4,
         "oracle_acceptance_rate": args.alpha,
     }
-    llm = LLM(model=args.model, speculative_config=draft, gpu_memory_utilization=0.6, seed=0)
+    llm = LLM(
+        model=args.model, speculative_config=draft, max_model_len=4096, gpu_memory_utilization=0.6, seed=0
+    )
     speculator = llm.engine.speculator
     gpu_tokens_per_s(llm, prompts[:1], 16, True)  # warm-up
     base = gpu_tokens_per_s(llm, prompts[:1], args.gen_tokens, False)

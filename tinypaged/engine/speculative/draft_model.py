@@ -107,8 +107,7 @@ class DraftModelProposer:
         }
         if self.oracle is not None:  # the draft's cost kept, its proposals replaced (point masses)
             for _, seq, _ in items:
-                n = len(out[seq.seq_id].tokens)
-                out[seq.seq_id] = Proposal(self.oracle.corrupt(self.oracle.reference(seq, n)))
+                out[seq.seq_id] = self.oracle.proposal(seq, len(out[seq.seq_id].tokens))
         return [out.get(seq.seq_id, NO_PROPOSAL) for _, seq, _ in batch]
 
     def _catch_up_fits(self, seq: Sequence, k: int) -> bool:

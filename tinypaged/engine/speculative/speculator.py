@@ -104,6 +104,7 @@ class Speculator:
         self.active = True  # False: never speculate (benchmarks time one engine with and without)
         self._proposed: list[Sequence] = []
         self._q: dict[int, torch.Tensor] = {}
+        self._accept: dict[int, int] = {}  # the oracle's accepted counts (benchmarks)
 
     def warm_up(self) -> None:
         """Compile what the proposer launches (the engine's warm-up calls it before ready)."""
@@ -139,6 +140,8 @@ class Speculator:
             self._proposed.append(seq)
             if prop.q is not None:
                 self._q[seq.seq_id] = prop.q[: len(tokens)]
+            if prop.accept is not None:
+                self._accept[seq.seq_id] = prop.accept
 
     def _room(self, req: Request, seq: Sequence) -> int:
         """How many tokens this sequence may speculate now (0: it does not)."""
@@ -161,9 +164,10 @@ class Speculator:
             seq.spec_token_ids = ()
         self._proposed.clear()
 
-    def q_of(self, seq_id: int) -> torch.Tensor | None:
-        """The draft's distributions of this step's proposal for the sequence (None: point masses)."""
-        return self._q.get(seq_id)
+    def draft_of(self, seq_id: int) -> tuple[torch.Tensor | None, int | None]:
+        """The draft's distributions of this step's proposal for the sequence (None: point masses), and the
+        count to accept where the proposer decides it (the oracle; None: verification decides)."""
+        return self._q.get(seq_id), self._accept.get(seq_id)
 
     def verified(self, results: Iterable[tuple[int, Verified]]) -> SpecCounters:
         """Count a step's verifications ((proposed tokens, result) each) and forget its distributions; the
@@ -173,6 +177,7 @@ class Speculator:
             step.add(proposed, v.num_accepted)
         self.totals.merge(step)
         self._q.clear()
+        self._accept.clear()
         return step
 
     def free(self, seq_ids: Iterable[int]) -> None:

@@ -370,7 +370,12 @@ class LLMEngine:
         may stay on the device. A request whose draws cannot be made fails alone (its output into `failed`)."""
         fail = self._fail_into(failed, "preparing its sampling failed", index)
         batch = DrawBatch.collect(
-            sched.scheduled, self._requests, self.scheduler.get_seq, self.eos_ids, fail, self.speculator.q_of
+            sched.scheduled,
+            self._requests,
+            self.scheduler.get_seq,
+            self.eos_ids,
+            fail,
+            self.speculator.draft_of,
         )
         logits = executed.logits
         num_failed, num_constrained, mask_s = len(failed), 0, 0.0
