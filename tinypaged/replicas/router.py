@@ -19,6 +19,7 @@ pile every request on one replica.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from typing import Any
@@ -40,6 +41,7 @@ class KVAwareRouter(RequestRouter):
         full_cost_blocks: float = 16.0,
         max_imbalance: int = 5,
         claim_ttl_s: float = 120.0,
+        decision_log: str | None = None,
     ) -> None:
         """The score's weights (request_router_kwargs). The defaults favour the cache strongly: measured on
         replicas sharing two CPU cores (benchmarks/replicas.py), where sending a request away from its blocks buys
@@ -49,6 +51,7 @@ class KVAwareRouter(RequestRouter):
         self.full_cost_blocks = full_cost_blocks
         self.max_imbalance = max_imbalance
         self.claim_ttl_s = claim_ttl_s
+        self.decision_log = decision_log  # a path: one JSON line per decision, for a debug run
         # Per replica: the stats version its key set was built from, and the set.
         self._held: dict[ReplicaID, tuple[Any, frozenset[int]]] = {}
         # Per replica, per request routed there: its block keys, when it was routed, when it completed.
@@ -112,7 +115,35 @@ class KVAwareRouter(RequestRouter):
             scored.append((balanced, score, -usage, -(len(held) + len(claimed)), random.random(), r))
         scored.sort(key=lambda s: s[:5], reverse=True)
         ranked = [s[-1] for s in scored]
+        if self.decision_log is not None:
+            self._log_decision(pending_request, keys, scored)
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    def _log_decision(self, pending: PendingRequest | None, keys: tuple[int, ...], scored: list) -> None:
+        """One decision as a JSON line: the request, then every replica as it was scored, the chosen first."""
+        rid = pending.metadata.internal_request_id if pending is not None else None
+        now = time.time()
+        replicas = []
+        for balanced, score, usage, size, _, r in scored:
+            stats = r.routing_stats or {}
+            held = longest_prefix(keys, self._held_keys(r))
+            replicas.append(
+                {
+                    "replica": r.replica_id.unique_id,
+                    "balanced": balanced,
+                    "score": score,
+                    "held": held,
+                    "matched": longest_prefix(keys, self._held_keys(r), self._claimed_keys(r)),
+                    "load": self._load(r),
+                    "published_load": stats.get("num_requests"),
+                    "kv_usage": -usage,
+                    "cached": -size,
+                    "stats_age_s": round(now - stats.get("published_at", now), 3),
+                }
+            )
+        line = {"t": now, "request": rid, "blocks": len(keys), "replicas": replicas}
+        with open(self.decision_log, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Claim the request's blocks for the replica it went to, until the replica's stats show them."""
