@@ -273,7 +273,7 @@ def deploy(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=2.0, help="a user's pause before each turn: 0 to this")
