@@ -315,10 +315,11 @@ def main() -> int:
                 "workload": pooled([asyncio.run(run_workload(url, *work))]),
             }
         runs: dict[str, list[dict[str, Any]]] = {router: [] for router in routers}
-        for _ in range(
-            args.repeats
-        ):  # in rounds, so that the machine's other load falls on every router alike
-            for router in routers:
+        # In rounds, so that the machine's other load falls on every router alike, and in an order that turns
+        # with the seed and the round, so that no router always runs first (after the one replica's run).
+        for i in range(args.repeats):
+            first = (args.seed + i) % len(routers)
+            for router in routers[first:] + routers[:first]:
                 url = deploy(engine, 2, router, kv_kwargs if router == "kv" else None)
                 runs[router].append(asyncio.run(run_workload(url, *work)))
                 summary = {k: v for k, v in runs[router][-1].items() if k not in ("ttfts_ms", "turn_log")}
