@@ -9,9 +9,12 @@ The workload ("multi-turn chat", defined here and in docs/replicas.md): `--sessi
 time (uniform in 0 to `--think-s`, the same draws for every setup), adds a user message of about 25 tokens and
 asks for a reply of `--reply-tokens` tokens (greedy, ignore_eos), sending the whole history, so a turn's prompt
 is its chat's last prompt and reply plus its new message. Each replica's KV cache holds `--blocks` blocks of 16
-tokens: fewer than all the chats' histories need, so a replica serving every chat evicts, and more than half of
-them need. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at admission (the
-engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at the client.
+tokens: fewer than half the chats' histories need, so each of two replicas evicts even when every chat keeps to
+one replica (with 16 chats, half of them fit: the routers that keep chats home then make the same decisions, and
+an exact view of each cache has nothing to add; benchmarks/HISTORY.md). `--seed` draws the think times, and turns
+the order the routers run in. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at
+admission (the engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at
+the client.
 """
 
 from __future__ import annotations
