@@ -25,7 +25,6 @@ at once.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -271,9 +270,6 @@ def start(engine: LLMEngine, started: float) -> tuple[tuple[str, float], ...]:
     """The end of an engine's start (`started`: its time.perf_counter() at the start): the warm-up, then the
     startup phases with their seconds (weights, KV cache, CUDA graph capture, warm-up, total), logged."""
     warm_s = warm_up(engine)
-    # A full collection now, not inside the first request: the start leaves more new objects than the oldest
-    # generation's threshold allows, so the first requests' allocations would set one off (tens of ms).
-    gc.collect()
     stats = engine.runner.stats
     phases = (
         ("weights", stats.load_s),
