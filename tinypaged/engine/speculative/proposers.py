@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tinypaged.core.sequence import Sequence
+from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.engine.request import Request
 
 
@@ -43,6 +43,11 @@ class Proposer(Protocol):
         """The sequence ended or left the GPU: forget any state kept for it."""
         ...
 
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """The target preempted the group, by swapping it out (`swapped`) or for recompute: state kept on the
+        device for its sequences follows it."""
+        ...
+
     def warm_up(self) -> None:
         """Before the server is ready: launch once what proposing launches (a model's kernels compile then)."""
         ...
@@ -60,6 +65,9 @@ class NgramProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""
@@ -115,6 +123,9 @@ class OracleProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""
