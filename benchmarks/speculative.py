@@ -21,6 +21,9 @@ CPU part (the default model, float32, one stream, greedy):
   each position's proposal would match; walking it as the engine does (k proposals, a accepted, a + 1 tokens)
   gives the acceptance rate and acceptance by position for k = 1..5 (the INT4 path on the CPU dequantizes a
   layer at a time, far too slow to time). Over the copy-heavy prompts and 4 open-ended ones.
+- **crossover**: the oracle (below) at alpha 0..0.8 and k = 1 and 4, with the acceptance switch off and on,
+  against no speculation, 2 open prompts: at alpha 0 the slowdown is one plus the verified rows' cost; where k = 1
+  starts paying. The n-gram runs above use the switch (the engine's default).
 
 GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random tokens, 256 greedy tokens):
 - **oracle**: `"method": "oracle"` proposes the target's own greedy continuation (taken from the run without

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-# One more verified row's cost, in one-row decode steps, at batch 1. CPU: the default model (f32, 2 cores) at
-# k = 1..4 with every proposal rejected (benchmarks/speculative.py's crossover part, docs/speculative.md). CUDA:
-# an estimate (one more row's FLOPs are far below reading the weights once) until the H200 measures it.
+# One more verified row's cost, in one-row decode steps, at batch 1. CPU: the default model (f32, 2 cores) at a
+# quiet moment, 0.047 s a decode step against 0.075 s a 5-row verification; under load multi-row GEMMs stall and
+# cost up to 3x more (benchmarks/HISTORY.md, the crossover). CUDA: an estimate (one more row's FLOPs are far below
+# reading the weights once) until the H200 measures it.
 VERIFY_ROW_COST = {"cpu": 0.12, "cuda": 0.05}
 WEIGHT = 0.25
 PROBE_EVERY = 8
