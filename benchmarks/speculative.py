@@ -33,6 +33,9 @@ GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random t
   replaced as the oracle's (`oracle_acceptance_rate` 0.8): speedup by k.
 - **batch sweep**: the oracle at k = 4 against no speculation at batch 1..64: where speculation stops paying
   (the batch to set disable_by_batch_size to).
+- **verification row cost**: the oracle at alpha 0 (every proposal wrong), k = 1 and 4, batch 1: one more verified
+  row's cost in one-row steps, the acceptance switch's `VERIFY_ROW_COST["cuda"]` (an estimate until then).
+  These GPU tables run with the switch off (a fixed k).
 """
 
 from __future__ import annotations
@@ -305,6 +308,7 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     vocab = llm.config.model_config.vocab_size
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(max(args.batches))]
     speculator = llm.engine.speculator
+    speculator.switch = None  # a fixed k: these tables measure verification itself
     proposer = speculator.proposer
     base = gpu_tokens_per_s(llm, prompts[:1], 16, False)  # warm-up
     rows = {}
@@ -327,6 +331,16 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         rows[bsz] = {"baseline_tokens_per_s": base["tokens_per_s"], "by_k": by_k}
         print(f"oracle batch {bsz}: {rows[bsz]}", flush=True)
     res["oracle"] = rows
+    # Every proposal wrong: each step emits one token, so the slowdown is one plus k verified rows' cost (the
+    # acceptance switch's VERIFY_ROW_COST["cuda"], an estimate until this measures it).
+    proposer.alpha, base1, cost = 0.0, rows[args.batches[0]]["baseline_tokens_per_s"], {}
+    for k in (1, 4):
+        speculator.spec = replace(speculator.spec, num_speculative_tokens=k)
+        run = gpu_tokens_per_s(llm, prompts[: args.batches[0]], args.gen_tokens, True)
+        cost[k] = (base1 / run["tokens_per_s"] - 1) / k
+    res["verify_row_cost"] = cost
+    print(f"one more verified row costs (k: one-row steps): {cost}", flush=True)
+    proposer.alpha = args.alpha
     pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
     res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
     free_llm(llm)
@@ -338,6 +352,7 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     }
     llm = LLM(model=args.model, speculative_config=draft, gpu_memory_utilization=0.6, seed=0)
     speculator = llm.engine.speculator
+    speculator.switch = None  # the speedup by k, as set
     gpu_tokens_per_s(llm, prompts[:1], 16, True)  # warm-up
     base = gpu_tokens_per_s(llm, prompts[:1], args.gen_tokens, False)
     oracle_of_draft = speculator.proposer.oracle
@@ -400,6 +415,8 @@ def table(res: dict[str, Any]) -> str:
                     f" {r['speedup']:7.2f}x {r['acceptance_rate']:7.2f}"
                 )
         lines.append(f"  speculation pays up to batch {gpu['oracle_pays_up_to_batch']}")
+        if "verify_row_cost" in gpu:
+            lines.append(f"  one more verified row costs (k: one-row steps): {gpu['verify_row_cost']}")
         d = gpu.get("int4_self_draft")
         if d:
             for k, r in d["by_k"].items():
