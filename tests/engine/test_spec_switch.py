@@ -1,5 +1,6 @@
 """The acceptance switch's arithmetic (engine/speculative/switch.py): the k it picks against the expected gain,
-the acceptance estimate from tested proposals only, the probe that lets a switched-off sequence come back."""
+the acceptance estimate from tested proposals only, the probes (backing off) that let a switched-off sequence
+come back."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def test_estimate_counts_tested_proposals_and_probes() -> None:
     for _ in range(12):  # always wrong: one tested token each, the rest untested
         switch.observe(7, 4, 0)
     assert switch.alpha(7) < 0.05
-    ks = [switch.k_for(7, 4) for _ in range(3 * PROBE_EVERY)]
-    assert ks.count(1) == 3 and ks.count(0) == len(ks) - 3
+    ks = [switch.k_for(7, 4) for _ in range(7 * PROBE_EVERY)]  # refused probes: each waits twice as long
+    assert [i + 1 for i, k in enumerate(ks) if k] == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    assert set(ks) == {0, 1}
     switch.observe(7, 1, 1)  # an accepted probe: back on
     assert switch.k_for(7, 4) >= 1
     switch.retain({8})

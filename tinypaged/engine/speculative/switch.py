@@ -12,8 +12,9 @@ decode reads every weight once). The switch proposes the k in 1..K with the best
 Alpha per sequence is estimated from the proposals that were tested: each accepted one a success, the first
 rejected one a failure, those after it untested (accepted / proposed would count them as failures); an exponential
 average over tested tokens (weight `WEIGHT`) that starts at 1, so a sequence's first proposal runs at full k.
-While a sequence proposes nothing it probes with one token every `PROBE_EVERY` decode steps, so that text that
-turns copyable brings it back (one accepted probe lifts alpha from 0 to `WEIGHT`, above the CPU's crossover).
+While a sequence proposes nothing it probes with one token after `PROBE_EVERY` decode steps, then after twice as
+many each time a probe is refused (up to `MAX_PROBE_EVERY`), so that text that turns copyable brings it back (one
+accepted probe lifts alpha from 0 to `WEIGHT`, above the CPU's crossover) while one that never does costs little.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Collection
 VERIFY_ROW_COST = {"cpu": 0.12, "cuda": 0.05}
 WEIGHT = 0.25
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 64
 
 
 def expected_gain(alpha: float, k: int, cost: float) -> float:
@@ -52,6 +54,7 @@ class AcceptanceSwitch:
         self.cost = cost  # one more verified row plus one proposed token, in one-row decode steps
         self._alpha: dict[int, float] = {}
         self._idle: dict[int, int] = {}  # decode steps proposing nothing since the last probe
+        self._every: dict[int, int] = {}  # steps between probes, doubled by each refused one
 
     def alpha(self, seq_id: int) -> float:
         """The sequence's acceptance estimate (1 before any proposal was tested)."""
@@ -65,13 +68,22 @@ class AcceptanceSwitch:
             self._idle.pop(seq_id, None)
             return k
         idle = self._idle.get(seq_id, 0) + 1
-        self._idle[seq_id] = 0 if idle >= PROBE_EVERY else idle
-        return 1 if idle >= PROBE_EVERY else 0
+        every = self._every.get(seq_id, PROBE_EVERY)
+        if idle < every:
+            self._idle[seq_id] = idle
+            return 0
+        # A probe; the next waits twice as long unless one is accepted (observe), so probing a sequence that
+        # keeps refusing them costs at most a verified row every MAX_PROBE_EVERY steps.
+        self._idle[seq_id] = 0
+        self._every[seq_id] = min(2 * every, MAX_PROBE_EVERY)
+        return 1
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
         """A verification: `proposed` tokens, the first `accepted` of them accepted."""
         if not proposed:
             return
+        if accepted:
+            self._every.pop(seq_id, None)
         a = self.alpha(seq_id)
         for _ in range(accepted):
             a += WEIGHT * (1.0 - a)
@@ -81,6 +93,6 @@ class AcceptanceSwitch:
 
     def retain(self, seq_ids: Collection[int]) -> None:
         """Forget every sequence not in `seq_ids` (ended, or preempted by recompute)."""
-        for d in (self._alpha, self._idle):
+        for d in (self._alpha, self._idle, self._every):
             for seq_id in [s for s in d if s not in seq_ids]:
                 del d[seq_id]
