@@ -195,3 +195,46 @@ def test_structured_outputs_speculate_and_roll_back(run, spec_llm: LLM, llm: LLM
     drafted = sum(s.num_draft_tokens for s in steps)
     assert 0 < sum(s.num_accepted_tokens for s in steps) < drafted
     assert sum(s.num_constrained for s in steps) > 0
+
+
+def test_acceptance_switch(run, model_dir: Path, llm: LLM) -> None:
+    """An always-wrong proposer is switched off (a one-token probe now and then), an always-right one stays on;
+    greedy outputs are the engine's without speculation either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = llm.generate(PROMPTS[:1], params)[0]
+    oracle = {"method": "oracle", "num_speculative_tokens": 3, "acceptance_rate": 0.0}
+    spec_llm = LLM(model=model_dir, speculative_config=oracle)
+    speculator = spec_llm.engine.speculator
+    speculator.proposer.add_reference(want.prompt_token_ids, want.outputs[0].token_ids)
+    for alpha in (0.0, 1.0):
+        speculator.proposer.alpha = alpha
+        outs, steps = run(spec_llm, PROMPTS[:1], [params])
+        assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
+        drafted = [s.num_draft_tokens for s in steps[1:]]  # after the prefill
+        if alpha == 0.0:
+            late = drafted[12:]  # the switch is off: a one-token probe every PROBE_EVERY steps
+            assert sum(drafted[:3]) >= 6 and max(late) <= 1 and 0 < sum(late) <= len(late) // 4
+        else:
+            assert all(drafted[:-1]) and sum(s.num_accepted_tokens for s in steps) == sum(drafted)
+
+
+def test_draft_blocks_swap_with_their_group(run, tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    """Under forced preemption by swap the draft's blocks are swapped out and back in with their group: outputs
+    unchanged, and once the requests end no block is held in either of the draft's pools."""
+    tiny = tiny_hf_model(tmp_path / "tiny", "Llama", max_position_embeddings=128)
+    prompts = [{"prompt_token_ids": list(range(30 + 7 * i, 42 + 7 * i))} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    plain = LLM(model=tiny, block_size=4).generate(prompts, greedy)
+    draft = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2}
+    kw = dict(block_size=4, num_gpu_blocks_override=24, preemption_mode="swap", swap_space=0.01)
+    llm = LLM(model=tiny, speculative_config=draft, **kw)
+    llm.engine.speculator.switch = None  # a draft as large as its target never pays: propose all the same
+    outs, steps = run(llm, prompts, [greedy] * 3)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    proposer = llm.engine.speculator.proposer
+    assert sum(s.num_preempted for s in steps) > 0
+    assert proposer.num_swap_outs > 0 and proposer.num_swap_ins > 0
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+    proposer.kv.check_integrity()
+    assert proposer.kv.num_free_gpu_blocks == proposer.kv.num_gpu_blocks
+    assert proposer.kv.num_free_cpu_blocks == proposer.kv.num_cpu_blocks > 0

@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tinypaged.core.sequence import Sequence
+from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.engine.request import Request
 
 
@@ -46,6 +46,11 @@ class Proposer(Protocol):
         """The sequence ended or left the GPU: forget any state kept for it."""
         ...
 
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """The target preempted the group, by swapping it out (`swapped`) or for recompute: state kept on the
+        device for its sequences follows it."""
+        ...
+
     def warm_up(self) -> None:
         """Before the server is ready: launch once what proposing launches (a model's kernels compile then)."""
         ...
@@ -63,6 +68,9 @@ class NgramProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""
@@ -122,6 +130,9 @@ class OracleProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""

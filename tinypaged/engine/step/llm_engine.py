@@ -228,6 +228,7 @@ class LLMEngine:
             self.speculator.propose(self.scheduler, self._requests)  # speculative decoding's proposals
             sched = self.scheduler.schedule()
             self.speculator.scheduled()
+            self.speculator.preempted(self.scheduler, sched.preempted)
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
             timer.scheduled()
@@ -249,6 +250,7 @@ class LLMEngine:
             self._step_failed(e, index, sched, prev if prev not in applied else None, outputs)
         if not self._requests:
             self._inflight = None
+            self.speculator.idle()
         timer.stop()
         graph = executed.graph if executed is not None else None
         kv = self.kv.num_free_gpu_blocks, self.scheduler.running, self.kv  # as the step leaves them
@@ -391,7 +393,7 @@ class LLMEngine:
         fail = self._fail_into(failed, "sampling its next token failed", index)
         sampled, scores = batch.sample(self.sampler, logits, fail, index)
         spec = batch.verify(self.sampler, logits, fail, index)
-        self.speculator.verified((len(d.spec), v) for _, d, v in spec)
+        self.speculator.verified((d.seq.seq_id, len(d.spec), v) for _, d, v in spec)
         token, score = batch.token.draws, batch.score.draws
         deferred = (
             self.async_scheduling
