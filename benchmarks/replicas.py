@@ -14,7 +14,9 @@ one replica (with 16 chats, half of them fit: the routers that keep chats home t
 an exact view of each cache has nothing to add; benchmarks/HISTORY.md). `--seed` draws the think times, and turns
 the order the routers run in. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at
 admission (the engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at
-the client.
+the client. Each run's JSON also has, per replica, its engine's counters over the run (steps, tokens computed,
+preemptions, the steps' host time) and its process's CPU seconds, and the ingress's: what tells a router that
+costs the engines work from a machine that gave them less CPU.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ async def run_workload(
 ) -> dict[str, Any]:
     """Every chat at once; TTFT percentiles, errors, and the hit rate from the replicas' counters."""
     out: dict[str, list] = {"ttft": [], "errors": [], "turns": []}
-    before = await prefix_counters(url)
+    before, cpu_before = await engine_counters(url), replica_cpu_s()
     t0 = time.monotonic()
     rng = random.Random(seed)  # the same think times for every setup
     chats = [(users, [rng.uniform(0, think_s) for _ in users]) for users in sessions(n, turns)]
@@ -116,8 +118,15 @@ async def run_workload(
         )
     wall = time.monotonic() - t0
     await asyncio.sleep(2.5)  # the replicas post their metrics every second
-    after = await prefix_counters(url)
-    hits, queries = after[0] - before[0], after[1] - before[1]
+    after, cpu_after = await engine_counters(url), replica_cpu_s()
+    engines = {
+        r: {k: round(v - before.get(r, {}).get(k, 0.0), 3) for k, v in c.items()}
+        | {"cpu_s": round(cpu_after.get(r, 0.0) - cpu_before.get(r, 0.0), 2)}
+        for r, c in after.items()
+    }
+    engines["ingress"] = {"cpu_s": round(cpu_after.get("ingress", 0.0) - cpu_before.get("ingress", 0.0), 2)}
+    hits = sum(e.get("prefix_cache_hits_total", 0.0) for e in engines.values())
+    queries = sum(e.get("prefix_cache_queries_total", 0.0) for e in engines.values())
     return {
         "turns": len(out["ttft"]),
         "ttfts_ms": [round(t * 1e3, 1) for t in out["ttft"]],
@@ -128,6 +137,7 @@ async def run_workload(
         "hit_rate": hits / queries if queries else 0.0,
         "prefix_hits": hits,
         "prefix_queries": queries,
+        "engines": engines,  # per replica: its engine's counters over the run, and its process's CPU seconds
         **percentiles(out["ttft"]),
     }
 
@@ -140,16 +150,58 @@ def percentiles(ttfts: list[float]) -> dict[str, float]:
     return {"ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1), "ttft_p99_ms": round(q[98] * 1e3, 1)}
 
 
-async def prefix_counters(url: str) -> tuple[float, float]:
-    """Prefix-cache hits and queries, summed over every replica's samples of /metrics."""
+COUNTERS = (
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "num_preemptions_total",
+    "engine_steps_total",
+    "engine_step_seconds_sum",
+    "iteration_tokens_total_sum",
+)
+
+
+async def engine_counters(url: str) -> dict[str, dict[str, float]]:
+    """Per replica (its label in the aggregated /metrics; "" for one server): the engine counters of COUNTERS."""
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
         text = await resp.text()
-    sums = {"tinypaged:prefix_cache_hits_total": 0.0, "tinypaged:prefix_cache_queries_total": 0.0}
+    out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in sums:
-            sums[name] += float(line.split()[-1])
-    return sums["tinypaged:prefix_cache_hits_total"], sums["tinypaged:prefix_cache_queries_total"]
+        if line.startswith("#") or not line.startswith("tinypaged:"):
+            continue
+        name = line.split("{")[0].split(" ")[0].removeprefix("tinypaged:")
+        if name in COUNTERS:
+            replica = line.split('replica="')[1].split('"')[0] if 'replica="' in line else ""
+            out.setdefault(replica, dict.fromkeys(COUNTERS, 0.0))[name] += float(line.split()[-1])
+    return out
+
+
+def replica_cpu_s() -> dict[str, float]:
+    """CPU seconds (user and system) of each engine replica's process so far, by replica id (its engine runs in
+    it: the benchmark deploys with `engine_process` off), and the ingress's (its router's work), as "ingress".
+    Empty where Ray's state API cannot say."""
+    import os
+
+    import ray
+
+    try:  # from Ray's control store (ray.util.state wants the dashboard, not started here)
+        actors = list(ray._private.state.actors().values())
+    except Exception as e:  # noqa: BLE001 - the figure is optional
+        print(f"no replica CPU times: {e!r}", file=sys.stderr)
+        return {}
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for a in actors:
+        name, pid = a.get("Name") or "", a.get("Pid")
+        if not ("EngineReplica" in name or "Ingress" in name) or a.get("State") != "ALIVE" or not pid:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = name.rsplit("#", 1)[-1] if "EngineReplica" in name else "ingress"
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 async def probe_ttft(urls: list[str], n: int) -> list[dict[str, float]]:
