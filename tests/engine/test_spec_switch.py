@@ -16,6 +16,13 @@ def test_best_k_follows_the_expected_gain() -> None:
         assert all(expected_gain(alpha, k, 0.12) >= expected_gain(alpha, j, 0.12) for j in range(9))
 
 
+def test_a_verification_steps_own_cost_raises_the_crossover() -> None:
+    """The H200's verification step costs 0.66 decode steps beyond a decode step at any k (run 74)."""
+    assert best_k(0.5, 4, 0.02) == 4 and best_k(0.5, 1, 0.02, 0.66) == 0  # 1.5 tokens for 1.68 steps
+    assert best_k(0.8, 6, 0.02, 0.66) >= 4  # 3.4+ tokens for 1.74 steps
+    assert expected_gain(0.3, 2, 0.02, 0.66) < 1.0 < expected_gain(0.3, 2, 0.02)
+
+
 def test_estimate_counts_tested_proposals_and_probes() -> None:
     switch = AcceptanceSwitch(0.12)
     assert switch.k_for(7, 4) == 4  # optimistic start

@@ -27,7 +27,7 @@ from tinypaged.engine.request import Request
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.rejection import Verified
 from tinypaged.engine.speculative.proposers import NgramProposer, OracleProposer, Proposer
-from tinypaged.engine.speculative.switch import VERIFY_ROW_COST, AcceptanceSwitch
+from tinypaged.engine.speculative.switch import VERIFY_ROW_COST, VERIFY_STEP_COST, AcceptanceSwitch
 from tinypaged.speculative import SpeculativeConfig
 
 
@@ -95,7 +95,9 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
         token_cost = proposer.token_cost
     assert config.max_model_len is not None
     row_cost = VERIFY_ROW_COST.get(runner.device.type, VERIFY_ROW_COST["cuda"])
-    return Speculator(spec, proposer, config.max_model_len, AcceptanceSwitch(row_cost + token_cost))
+    step_cost = VERIFY_STEP_COST.get(runner.device.type, VERIFY_STEP_COST["cuda"])
+    switch = AcceptanceSwitch(row_cost + token_cost, step_cost)
+    return Speculator(spec, proposer, config.max_model_len, switch)
 
 
 class Speculator:
