@@ -118,8 +118,8 @@ class Speculator:
         self.enabled = spec is not None  # whether this step speculates (disable_by_batch_size)
         self.active = True  # False: never speculate (benchmarks time one engine with and without)
         self._proposed: list[Sequence] = []
-        self._q: dict[int, torch.Tensor] = {}
-        self._accept: dict[int, int] = {}  # the oracle's accepted counts (benchmarks)
+        # Per sequence proposing this step: the draft's distributions and the oracle's accepted count (benchmarks)
+        self._drafts: dict[int, tuple[torch.Tensor | None, int | None]] = {}
         self._known: set[int] = set()  # the sequences the proposer may keep state for
 
     def warm_up(self) -> None:
@@ -161,10 +161,9 @@ class Speculator:
                 continue
             seq.spec_token_ids = tokens
             self._proposed.append(seq)
-            if prop.q is not None:
-                self._q[seq.seq_id] = prop.q[: len(tokens)]
-            if prop.accept is not None:
-                self._accept[seq.seq_id] = prop.accept
+            if prop.q is not None or prop.accept is not None:
+                q = prop.q[: len(tokens)] if prop.q is not None else None
+                self._drafts[seq.seq_id] = (q, prop.accept)
 
     def _room(self, req: Request, seq: Sequence) -> int:
         """How many tokens this sequence may speculate now (0: it does not)."""
@@ -190,7 +189,7 @@ class Speculator:
     def draft_of(self, seq_id: int) -> tuple[torch.Tensor | None, int | None]:
         """The draft's distributions of this step's proposal for the sequence (None: point masses), and the
         count to accept where the proposer decides it (the oracle; None: verification decides)."""
-        return self._q.get(seq_id), self._accept.get(seq_id)
+        return self._drafts.get(seq_id, (None, None))
 
     def verified(self, results: Iterable[tuple[int, int, Verified]]) -> SpecCounters:
         """Count a step's verifications ((seq id, proposed tokens, result) each), tell the switch, and forget
@@ -201,8 +200,7 @@ class Speculator:
             if self.switch is not None:
                 self.switch.observe(seq_id, proposed, v.num_accepted)
         self.totals.merge(step)
-        self._q.clear()
-        self._accept.clear()
+        self._drafts.clear()
         return step
 
     def preempted(self, scheduler: Scheduler, request_ids: Iterable[str]) -> None:

@@ -1,6 +1,6 @@
 """LLMEngine: requests in; each `step()` schedules, executes, samples and updates; RequestOutputs out.
 
-One job, in about 460 lines: the order of a step's phases and what each hands the next (admission, the
+One job, in about 480 lines: the order of a step's phases and what each hands the next (admission, the
 speculator's proposals, schedule, execute, sample and verify, apply), with the failure of one request or of the
 step at each phase; the phases' own work lives in the modules they call.
 """
