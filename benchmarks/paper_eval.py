@@ -260,7 +260,9 @@ def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
         runs.append(serve(llm, work, r, args.seed + k + 1, f"{name}-{k}"))
         over = sustained(runs, args.latency_bound, args.bound_factor)["max_rate"] != r
         if args.stop_over_bound and over:  # the higher rates would only be further over it
-            print(f"  {name}: rate {r:.3g} is over the latency bound; the higher rates are skipped", flush=True)
+            print(
+                f"  {name}: rate {r:.3g} is over the latency bound; the higher rates are skipped", flush=True
+            )
             break
     for r in [saturated, *runs]:
         print(
