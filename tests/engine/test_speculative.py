@@ -238,3 +238,40 @@ def test_draft_blocks_swap_with_their_group(run, tmp_path: Path, tiny_hf_model) 
     proposer.kv.check_integrity()
     assert proposer.kv.num_free_gpu_blocks == proposer.kv.num_gpu_blocks
     assert proposer.kv.num_free_cpu_blocks == proposer.kv.num_cpu_blocks > 0
+
+
+def test_draft_memory_shares_the_target_budget(tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    """A draft model's KV pool and swap pool come out of the target's budget (cpu_kv_cache_space and swap_space
+    here; gpu_memory_utilization on a GPU): equal pools, or the draft's capped by disable_by_batch_size with
+    the rest the target's. Catch-up passes take at most max_num_batched_tokens tokens, outputs unchanged."""
+    tiny = tiny_hf_model(tmp_path / "tiny", "Llama", max_position_embeddings=128)
+    space, swap = 2**20, 2**19
+    kw = dict(
+        block_size=4, cpu_kv_cache_space=space / 2**30, swap_space=swap / 2**30, max_num_batched_tokens=24
+    )
+    plain = LLM(model=tiny, **kw)
+    bb = plain.engine.runner.block_bytes
+    assert plain.engine.runner.num_gpu_blocks == space // bb
+    draft = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2}
+    llm = LLM(model=tiny, speculative_config=draft, **kw)
+    runner, proposer = llm.engine.runner, llm.engine.speculator.proposer
+    dbb = runner.draft.block_bytes
+    assert dbb == bb  # the tiny model drafts for itself
+    assert runner.num_gpu_blocks == proposer.kv.num_gpu_blocks == space // (bb + dbb)
+    assert runner.num_cpu_blocks == proposer.kv.num_cpu_blocks == swap // (bb + dbb)
+    assert proposer.cache.numel() * proposer.cache.element_size() == proposer.kv.num_gpu_blocks * dbb
+    capped = LLM(model=tiny, speculative_config={**draft, "disable_by_batch_size": 1}, **kw)
+    runner = capped.engine.runner
+    assert runner.num_draft_blocks == 128 // 4 + 1
+    assert runner.num_gpu_blocks == (space - runner.num_draft_blocks * dbb) // bb
+    # A 60-token prompt: the draft catches up in passes of at most 24 tokens.
+    calls: list[int] = []
+    forward = proposer._forward
+    proposer._forward = lambda mirrors, feed: calls.append(sum(map(len, feed))) or forward(mirrors, feed)
+    llm.engine.speculator.switch = None
+    prompts = [{"prompt_token_ids": list(range(40, 100))}, {"prompt_token_ids": list(range(7, 40))}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert max(calls) <= 24 and sum(calls) >= 60 + 33
+    proposer.kv.check_integrity()
