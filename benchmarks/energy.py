@@ -45,10 +45,10 @@ from common import (
     prefill_flops,
     write_json,
 )
+from kernel_speed import DEV, DT, GEMV_SHAPES, capture, decode_layers
 from throughput import ideal_decode_steps, roofline
 
 import tinypaged.kernels as tk
-from kernels import DEV, DT, GEMV_SHAPES, capture, decode_layers
 from tinypaged import LLM, ops
 from tinypaged.config import ModelConfig
 from tinypaged.weights.random_model import PRESETS

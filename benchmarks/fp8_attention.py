@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from common import write_json
+from kernel_speed import graph_ms, paged_batch, rel_err
 
 import tinypaged.kernels as tk
-from kernels import graph_ms, paged_batch, rel_err
 from tinypaged import ops
 from tinypaged.model.quant.e4m3 import dequantize, quantize
 

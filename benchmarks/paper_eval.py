@@ -255,7 +255,15 @@ def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
     rates = getattr(args, f"{name}_rates") or [
         round(f * saturated["throughput_req_s"], 3) for f in RATE_FRACTIONS
     ]
-    runs = [serve(llm, work, r, args.seed + k + 1, f"{name}-{k}") for k, r in enumerate(rates)]
+    runs = []
+    for k, r in enumerate(sorted(rates)):
+        runs.append(serve(llm, work, r, args.seed + k + 1, f"{name}-{k}"))
+        over = sustained(runs, args.latency_bound, args.bound_factor)["max_rate"] != r
+        if args.stop_over_bound and over:  # the higher rates would only be further over it
+            print(
+                f"  {name}: rate {r:.3g} is over the latency bound; the higher rates are skipped", flush=True
+            )
+            break
     for r in [saturated, *runs]:
         print(
             f"  {name} rate {r['rate']:>8.3g}: norm latency {1e3 * r['mean_norm_latency_s']:8.2f} ms/token, "
@@ -444,6 +452,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--latency-bound", type=float, default=None, help="seconds a token (default: factor x lowest rate's)"
     )
     ap.add_argument("--bound-factor", type=float, default=2.0)
+    ap.add_argument(
+        "--stop-over-bound",
+        action="store_true",
+        help="end a sweep at its first rate over the latency bound (rates in ascending order)",
+    )
     ap.add_argument(
         "--widths", type=int, nargs="+", default=[2, 4, 6], help="parallel samples and beam widths"
     )

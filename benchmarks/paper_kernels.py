@@ -55,7 +55,8 @@ def one_shape(
     heads: tuple[int, int, int], name: str, batch: int, block_sizes: list[int], seed: int
 ) -> dict[str, Any]:
     """Paged (block size 16 and the sweep) against contiguous SDPA on one decode batch."""
-    import kernels as kb  # benchmarks/kernels.py: its paged batches and graph timing
+    import kernel_speed as kb  # its paged batches and graph timing
+
     from tinypaged import ops
 
     hq, hkv, d = heads

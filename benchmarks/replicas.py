@@ -9,9 +9,14 @@ The workload ("multi-turn chat", defined here and in docs/replicas.md): `--sessi
 time (uniform in 0 to `--think-s`, the same draws for every setup), adds a user message of about 25 tokens and
 asks for a reply of `--reply-tokens` tokens (greedy, ignore_eos), sending the whole history, so a turn's prompt
 is its chat's last prompt and reply plus its new message. Each replica's KV cache holds `--blocks` blocks of 16
-tokens: fewer than all the chats' histories need, so a replica serving every chat evicts, and more than half of
-them need. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at admission (the
-engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at the client.
+tokens: fewer than half the chats' histories need, so each of two replicas evicts even when every chat keeps to
+one replica (with 16 chats, half of them fit: the routers that keep chats home then make the same decisions, and
+an exact view of each cache has nothing to add; benchmarks/HISTORY.md). `--seed` draws the think times, and turns
+the order the routers run in. Hit rate: prompt blocks found in the prefix cache over prompt blocks looked up at
+admission (the engines' own counters, summed over replicas). TTFT: from sending a turn to its first SSE event, at
+the client. Each run's JSON also has, per replica, its engine's counters over the run (steps, tokens computed,
+preemptions, the steps' host time) and its process's CPU seconds, and the ingress's: what tells a router that
+costs the engines work from a machine that gave them less CPU.
 """
 
 from __future__ import annotations
@@ -63,11 +68,12 @@ async def chat(
     reply_tokens: int,
     think: list[float],
     out: dict[str, list],
+    index: int,
 ) -> None:
     """One chat's turns in order, each sending the whole history after the user's think time; TTFT of each turn
-    into `out`."""
+    into `out`, and each turn's record (chat, turn, sent at, replica, TTFT) into `out["turns"]`."""
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-    for text, pause in zip(users, think, strict=True):
+    for turn, (text, pause) in enumerate(zip(users, think, strict=True)):
         await asyncio.sleep(pause)
         messages.append({"role": "user", "content": text})
         body = {
@@ -82,6 +88,7 @@ async def chat(
             if resp.status != 200:
                 out["errors"].append(f"{resp.status}: {await resp.text()}")
                 return
+            replica = resp.headers.get("x-tinypaged-replica", "")
             async for line in resp.content:
                 if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                     continue
@@ -92,31 +99,45 @@ async def chat(
                     return
                 reply.append(event["choices"][0]["delta"].get("content") or "")
         out["ttft"].append(ttft)
+        out["turns"].append([index, turn, round(start, 3), replica, round(ttft * 1e3, 1)])
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-async def run_workload(url: str, n: int, turns: int, reply_tokens: int, think_s: float) -> dict[str, Any]:
+async def run_workload(
+    url: str, n: int, turns: int, reply_tokens: int, think_s: float, seed: int = 0
+) -> dict[str, Any]:
     """Every chat at once; TTFT percentiles, errors, and the hit rate from the replicas' counters."""
-    out: dict[str, list] = {"ttft": [], "errors": []}
-    before = await prefix_counters(url)
+    out: dict[str, list] = {"ttft": [], "errors": [], "turns": []}
+    before, cpu_before = await engine_counters(url), replica_cpu_s()
     t0 = time.monotonic()
-    rng = random.Random(0)  # the same think times for every setup
+    rng = random.Random(seed)  # the same think times for every setup
     chats = [(users, [rng.uniform(0, think_s) for _ in users]) for users in sessions(n, turns)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-        await asyncio.gather(*(chat(http, url, users, reply_tokens, think, out) for users, think in chats))
+        await asyncio.gather(
+            *(chat(http, url, users, reply_tokens, think, out, i) for i, (users, think) in enumerate(chats))
+        )
     wall = time.monotonic() - t0
     await asyncio.sleep(2.5)  # the replicas post their metrics every second
-    after = await prefix_counters(url)
-    hits, queries = after[0] - before[0], after[1] - before[1]
+    after, cpu_after = await engine_counters(url), replica_cpu_s()
+    engines = {
+        r: {k: round(v - before.get(r, {}).get(k, 0.0), 3) for k, v in c.items()}
+        | {"cpu_s": round(cpu_after.get(r, 0.0) - cpu_before.get(r, 0.0), 2)}
+        for r, c in after.items()
+    }
+    engines["ingress"] = {"cpu_s": round(cpu_after.get("ingress", 0.0) - cpu_before.get("ingress", 0.0), 2)}
+    hits = sum(e.get("prefix_cache_hits_total", 0.0) for e in engines.values())
+    queries = sum(e.get("prefix_cache_queries_total", 0.0) for e in engines.values())
     return {
         "turns": len(out["ttft"]),
         "ttfts_ms": [round(t * 1e3, 1) for t in out["ttft"]],
+        "turn_log": out["turns"],  # [chat, turn, sent at (s, monotonic), replica, TTFT ms]
         "errors": out["errors"][:5],
         "num_errors": len(out["errors"]),
         "wall_s": round(wall, 2),
         "hit_rate": hits / queries if queries else 0.0,
         "prefix_hits": hits,
         "prefix_queries": queries,
+        "engines": engines,  # per replica: its engine's counters over the run, and its process's CPU seconds
         **percentiles(out["ttft"]),
     }
 
@@ -129,16 +150,58 @@ def percentiles(ttfts: list[float]) -> dict[str, float]:
     return {"ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1), "ttft_p99_ms": round(q[98] * 1e3, 1)}
 
 
-async def prefix_counters(url: str) -> tuple[float, float]:
-    """Prefix-cache hits and queries, summed over every replica's samples of /metrics."""
+COUNTERS = (
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "num_preemptions_total",
+    "engine_steps_total",
+    "engine_step_seconds_sum",
+    "iteration_tokens_total_sum",
+)
+
+
+async def engine_counters(url: str) -> dict[str, dict[str, float]]:
+    """Per replica (its label in the aggregated /metrics; "" for one server): the engine counters of COUNTERS."""
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
         text = await resp.text()
-    sums = {"tinypaged:prefix_cache_hits_total": 0.0, "tinypaged:prefix_cache_queries_total": 0.0}
+    out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in sums:
-            sums[name] += float(line.split()[-1])
-    return sums["tinypaged:prefix_cache_hits_total"], sums["tinypaged:prefix_cache_queries_total"]
+        if line.startswith("#") or not line.startswith("tinypaged:"):
+            continue
+        name = line.split("{")[0].split(" ")[0].removeprefix("tinypaged:")
+        if name in COUNTERS:
+            replica = line.split('replica="')[1].split('"')[0] if 'replica="' in line else ""
+            out.setdefault(replica, dict.fromkeys(COUNTERS, 0.0))[name] += float(line.split()[-1])
+    return out
+
+
+def replica_cpu_s() -> dict[str, float]:
+    """CPU seconds (user and system) of each engine replica's process so far, by replica id (its engine runs in
+    it: the benchmark deploys with `engine_process` off), and the ingress's (its router's work), as "ingress".
+    Empty where Ray's state API cannot say."""
+    import os
+
+    import ray
+
+    try:  # from Ray's control store (ray.util.state wants the dashboard, not started here)
+        actors = list(ray._private.state.actors().values())
+    except Exception as e:  # noqa: BLE001 - the figure is optional
+        print(f"no replica CPU times: {e!r}", file=sys.stderr)
+        return {}
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for a in actors:
+        name, pid = a.get("Name") or "", a.get("Pid")
+        if not ("EngineReplica" in name or "Ingress" in name) or a.get("State") != "ALIVE" or not pid:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = name.rsplit("#", 1)[-1] if "EngineReplica" in name else "ingress"
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 async def probe_ttft(urls: list[str], n: int) -> list[dict[str, float]]:
@@ -245,13 +308,17 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def deploy(engine: dict[str, Any], replicas: int, router: str) -> str:
+def deploy(
+    engine: dict[str, Any], replicas: int, router: str, router_kwargs: dict[str, Any] | None = None
+) -> str:
     """(Re)deploy the application on the running Serve; its URL once healthy."""
     from ray import serve
 
     from tinypaged.replicas.app import build_app
 
     args = {"engine": engine, "replicas": replicas, "router": router, "engine_process": False}
+    if router_kwargs:
+        args["router_kwargs"] = router_kwargs
     serve.run(build_app(args), name=launch.APP_NAME, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{PORT}"
     launch.wait_healthy(url, 600)
@@ -261,14 +328,20 @@ def deploy(engine: dict[str, Any], replicas: int, router: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--think-s", type=float, default=2.0, help="a user's pause before each turn: 0 to this")
+    ap.add_argument("--seed", type=int, default=0, help="of the think times (the same for every setup)")
     ap.add_argument("--blocks", type=int, default=192, help="KV cache blocks of 16 tokens per replica")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--probes", type=int, default=42, help="requests of the overhead probe (2 warm up)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each router, in rounds")
+    ap.add_argument("--routers", default=",".join(ROUTERS), help="which routers to compare, comma-separated")
+    ap.add_argument(
+        "--routing-only", action="store_true", help="only the routers (no one replica, failure, overhead)"
+    )
+    ap.add_argument("--router-log", help="the KV-aware router logs each decision here (JSON lines)")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/replicas-cpu.json"))
     args = ap.parse_args()
     engine = {
@@ -278,56 +351,63 @@ def main() -> int:
     }
     flags = ["--no-engine-process", "--max-model-len", "1024", "--num-gpu-blocks-override", str(args.blocks)]
     result: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "engine": engine}
+    routers = args.routers.split(",")
+    kv_kwargs = {"decision_log": str(Path(args.router_log).resolve())} if args.router_log else None
 
     from ray import serve
 
-    work = (args.sessions, args.turns, args.reply_tokens, args.think_s)
+    work = (args.sessions, args.turns, args.reply_tokens, args.think_s, args.seed)
     launch.start_ray(None, num_cpus=2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        url = deploy(engine, 1, "kv")
-        with LocalServer([*flags, "--max-num-seqs", str(args.max_num_seqs)]) as alone:
-            probes = asyncio.run(probe_ttft([alone.url, url], args.probes))
-        result["alone"] = {"probe": probes[0]}
-        result["one_replica"] = {
-            "probe": probes[1],
-            "workload": pooled([asyncio.run(run_workload(url, *work))]),
-        }
-        runs: dict[str, list[dict[str, Any]]] = {router: [] for router in ROUTERS}
-        for _ in range(
-            args.repeats
-        ):  # in rounds, so that the machine's other load falls on every router alike
-            for router in ROUTERS:
-                url = deploy(engine, 2, router)
+        if not args.routing_only:
+            url = deploy(engine, 1, "kv")
+            with LocalServer([*flags, "--max-num-seqs", str(args.max_num_seqs)]) as alone:
+                probes = asyncio.run(probe_ttft([alone.url, url], args.probes))
+            result["alone"] = {"probe": probes[0]}
+            result["one_replica"] = {
+                "probe": probes[1],
+                "workload": pooled([asyncio.run(run_workload(url, *work))]),
+            }
+        runs: dict[str, list[dict[str, Any]]] = {router: [] for router in routers}
+        # In rounds, so that the machine's other load falls on every router alike, and in an order that turns
+        # with the seed and the round, so that no router always runs first (after the one replica's run).
+        for i in range(args.repeats):
+            first = (args.seed + i) % len(routers)
+            for router in routers[first:] + routers[:first]:
+                url = deploy(engine, 2, router, kv_kwargs if router == "kv" else None)
                 runs[router].append(asyncio.run(run_workload(url, *work)))
-                summary = {k: v for k, v in runs[router][-1].items() if k != "ttfts_ms"}
+                summary = {k: v for k, v in runs[router][-1].items() if k not in ("ttfts_ms", "turn_log")}
                 print(router, summary, file=sys.stderr, flush=True)
         result.update({router: pooled(r) for router, r in runs.items()})
-        url = deploy(engine, 2, "kv")
-        result["failure"] = asyncio.run(kill_under_load(url, 16))
+        if not args.routing_only:
+            url = deploy(engine, 2, "kv")
+            result["failure"] = asyncio.run(kill_under_load(url, 16))
     finally:
         launch.stop()
-    report(result)
+    report(result, routers)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-def report(r: dict[str, Any]) -> None:
-    """The table."""
-    one = r["one_replica"]["workload"]
+def report(r: dict[str, Any], routers: list[str]) -> None:
+    """The table (the parts that ran)."""
+    one = r["one_replica"]["workload"] if "one_replica" in r else None
     print(
         f"\nmulti-turn chat: {r['args']['sessions']} chats x {r['args']['turns']} turns, {r['args']['blocks']} "
-        "KV blocks per replica, default model on the CPU"
+        f"KV blocks per replica, think-time seed {r['args']['seed']}, default model on the CPU"
     )
     print(f"{'setup':<34}{'hit rate':>9}{'of 1 replica':>14}{'TTFT p50':>10}{'TTFT p99':>10}{'errors':>8}")
-    rows = [("1 replica", one)] + [(f"2 replicas, {k}", r[k]) for k in ROUTERS]
+    rows = ([("1 replica", one)] if one else []) + [(f"2 replicas, {k}", r[k]) for k in routers]
     for name, w in rows:
-        share = w["hit_rate"] / one["hit_rate"] if one["hit_rate"] else float("nan")
+        share = w["hit_rate"] / one["hit_rate"] if one and one["hit_rate"] else float("nan")
         print(
             f"{name:<34}{w['hit_rate']:>9.1%}{share:>14.0%}{w['ttft_p50_ms']:>8.0f}ms{w['ttft_p99_ms']:>8.0f}ms"
             f"{w['num_errors']:>8}"
         )
+    if "failure" not in r:
+        return
     f = r["failure"]
     print(
         f"\nreplica killed under load: {f['requests']} streams, {f['completed']} completed, "

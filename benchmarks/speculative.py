@@ -21,6 +21,9 @@ CPU part (the default model, float32, one stream, greedy):
   each position's proposal would match; walking it as the engine does (k proposals, a accepted, a + 1 tokens)
   gives the acceptance rate and acceptance by position for k = 1..5 (the INT4 path on the CPU dequantizes a
   layer at a time, far too slow to time). Over the copy-heavy prompts and 4 open-ended ones.
+- **crossover**: the oracle (below) at alpha 0..0.8 and k = 1 and 4, with the acceptance switch off and on,
+  against no speculation, 2 open prompts: at alpha 0 the slowdown is one plus the verified rows' cost; where k = 1
+  starts paying. The n-gram runs above use the switch (the engine's default).
 
 GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random tokens, 256 greedy tokens):
 - **oracle**: `"method": "oracle"` proposes the target's own greedy continuation (taken from the run without
@@ -30,11 +33,15 @@ GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random t
   replaced as the oracle's (`oracle_acceptance_rate` 0.8): speedup by k.
 - **batch sweep**: the oracle at k = 4 against no speculation at batch 1..64: where speculation stops paying
   (the batch to set disable_by_batch_size to).
+- **verification row cost**: the oracle at alpha 0 (every proposal wrong), k = 1 and 4, batch 1: one more verified
+  row's cost in one-row steps, the acceptance switch's `VERIFY_ROW_COST["cuda"]` (an estimate until then).
+  These GPU tables run with the switch off (a fixed k).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 import traceback
 from dataclasses import replace
@@ -130,10 +137,10 @@ def one_stream(llm: LLM, prompts: list[Any], params: SamplingParams, speculate: 
     }
 
 
-def compare(llm: LLM, prompts: list[Any], params: SamplingParams) -> dict[str, Any]:
+def compare(llm: LLM, prompts: list[Any], params: SamplingParams, warm: bool = True) -> dict[str, Any]:
     """Without and with speculation on the same engine (a warm-up first), prompt by prompt in turn so that a
     shared machine's load weighs on both alike; the outputs must agree."""
-    for speculate in (False, True):  # warm-up: the first passes of a shape are slow on the CPU (3-6x)
+    for speculate in (False, True) if warm else ():  # warm-up: a shape's first passes are slow on the CPU
         one_stream(llm, prompts[:2], params, speculate)
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for prompt in prompts:
@@ -155,6 +162,46 @@ def compare(llm: LLM, prompts: list[Any], params: SamplingParams) -> dict[str, A
     out["speedup"] = out["speculative"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
     out["identical"] = [r["outputs"] for r in runs[False]] == [r["outputs"] for r in runs[True]]
     return out
+
+
+def crossover(args: argparse.Namespace, prompts: list[Any]) -> dict[str, Any]:
+    """The oracle at controlled acceptance alpha against no speculation, k = 1 and 4, with the acceptance switch
+    off (what verification costs: at alpha = 0 every step emits one token, so the slowdown at k is one plus k
+    verified rows' cost) and on (it must never lose much); the crossover alpha where speculation starts paying."""
+    llm = LLM(speculative_config={"method": "oracle", "num_speculative_tokens": 4}, seed=0)
+    speculator, params = llm.engine.speculator, greedy(args.crossover_tokens)
+    proposer, switch, spec = speculator.proposer, speculator.switch, speculator.spec
+    speculator.active = False
+    for out in llm.generate(prompts, params):
+        proposer.add_reference(out.prompt_token_ids, out.outputs[0].token_ids)
+    rows: dict[str, Any] = {}
+    for alpha in args.alphas:
+        proposer.alpha = alpha
+        for k, dynamic in ((1, False), (4, False), (4, True)):
+            speculator.spec = replace(spec, num_speculative_tokens=k)
+            speculator.switch = switch if dynamic else None
+            r = compare(llm, prompts, params, warm=alpha == args.alphas[0])
+            rows[f"alpha={alpha} k={k}{' switch' if dynamic else ''}"] = {
+                "alpha": alpha,
+                "k": k,
+                "switch": dynamic,
+                "speedup": r["speedup"],
+                "acceptance_rate": r["speculative"]["acceptance_rate"],
+                "draft_tokens": r["speculative"]["draft_tokens"],
+                "identical": r["identical"],
+            }
+            print(f"crossover alpha {alpha} k {k} switch {dynamic}: {r['speedup']:.3f}x", flush=True)
+    free_llm(llm)
+    res: dict[str, Any] = {"rows": rows}
+    zero = {k: rows[f"alpha={args.alphas[0]} k={k}"]["speedup"] for k in (1, 4)}
+    if args.alphas[0] == 0.0:  # one more verified row's cost, in one-row decode steps
+        res["verify_row_cost"] = {k: (1 / s - 1) / k for k, s in zero.items()}
+    static = [(rows[f"alpha={a} k=1"]["alpha"], rows[f"alpha={a} k=1"]["speedup"]) for a in args.alphas]
+    above = [(a0, s0, a1, s1) for (a0, s0), (a1, s1) in itertools.pairwise(static) if s0 < 1.0 <= s1]
+    if above:  # linear between the two alphas that straddle 1.0x
+        a0, s0, a1, s1 = above[0]
+        res["crossover_alpha_k1"] = a0 + (1.0 - s0) * (a1 - a0) / (s1 - s0)
+    return res
 
 
 def walk_acceptance(match: list[bool], k: int) -> tuple[int, int, list[int], int]:
@@ -216,16 +263,19 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(speculative_config=NGRAM, seed=0)
     res: dict[str, Any] = {"ngram": NGRAM}
     prompts = copy_prompts(llm)
-    res["copy_heavy"] = compare(llm, prompts, greedy(args.copy_tokens))
-    rng = np.random.default_rng(0)
-    vocab = llm.config.model_config.vocab_size
-    randoms = [random_prompt(rng, 128, vocab) for _ in range(args.random_prompts)]
-    res["random_tokens"] = compare(llm, randoms, greedy(args.random_tokens))
+    if not args.skip_ngram:
+        res["copy_heavy"] = compare(llm, prompts, greedy(args.copy_tokens))
+        rng = np.random.default_rng(0)
+        vocab = llm.config.model_config.vocab_size
+        randoms = [random_prompt(rng, 128, vocab) for _ in range(args.random_prompts)]
+        res["random_tokens"] = compare(llm, randoms, greedy(args.random_tokens))
+    tok = llm.get_tokenizer()
+    opens = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in OPEN_PROMPTS]
     if not args.skip_int4:
-        tok = llm.get_tokenizer()
-        opens = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in OPEN_PROMPTS]
         res["int4_draft_acceptance"] = real_acceptance(llm, prompts + opens, args.copy_tokens)
     llm.shutdown()
+    if not args.skip_crossover:
+        res["crossover"] = crossover(args, opens[: args.crossover_prompts])
     return res
 
 
@@ -254,10 +304,13 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     res: dict[str, Any] = {}
     oracle = {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": args.alpha}
-    llm = LLM(model=args.model, speculative_config=oracle, gpu_memory_utilization=0.6, seed=0)
+    llm = LLM(
+        model=args.model, speculative_config=oracle, max_model_len=4096, gpu_memory_utilization=0.6, seed=0
+    )
     vocab = llm.config.model_config.vocab_size
     prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(max(args.batches))]
     speculator = llm.engine.speculator
+    speculator.switch = None  # a fixed k: these tables measure verification itself
     proposer = speculator.proposer
     base = gpu_tokens_per_s(llm, prompts[:1], 16, False)  # warm-up
     rows = {}
@@ -280,6 +333,16 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         rows[bsz] = {"baseline_tokens_per_s": base["tokens_per_s"], "by_k": by_k}
         print(f"oracle batch {bsz}: {rows[bsz]}", flush=True)
     res["oracle"] = rows
+    # Every proposal wrong: each step emits one token, so the slowdown is one plus k verified rows' cost (the
+    # acceptance switch's VERIFY_ROW_COST["cuda"], an estimate until this measures it).
+    proposer.alpha, base1, cost = 0.0, rows[args.batches[0]]["baseline_tokens_per_s"], {}
+    for k in (1, 4):
+        speculator.spec = replace(speculator.spec, num_speculative_tokens=k)
+        run = gpu_tokens_per_s(llm, prompts[: args.batches[0]], args.gen_tokens, True)
+        cost[k] = (base1 / run["tokens_per_s"] - 1) / k
+    res["verify_row_cost"] = cost
+    print(f"one more verified row costs (k: one-row steps): {cost}", flush=True)
+    proposer.alpha = args.alpha
     pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
     res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
     free_llm(llm)
@@ -289,8 +352,11 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": 4,
         "oracle_acceptance_rate": args.alpha,
     }
-    llm = LLM(model=args.model, speculative_config=draft, gpu_memory_utilization=0.6, seed=0)
+    llm = LLM(
+        model=args.model, speculative_config=draft, max_model_len=4096, gpu_memory_utilization=0.6, seed=0
+    )
     speculator = llm.engine.speculator
+    speculator.switch = None  # the speedup by k, as set
     gpu_tokens_per_s(llm, prompts[:1], 16, True)  # warm-up
     base = gpu_tokens_per_s(llm, prompts[:1], args.gen_tokens, False)
     oracle_of_draft = speculator.proposer.oracle
@@ -323,6 +389,19 @@ def table(res: dict[str, Any]) -> str:
                 f"  {name:<36} {r['baseline']['tokens_per_s']:10.2f} {r['speculative']['tokens_per_s']:11.2f}"
                 f" {r['speedup']:7.2f}x {r['speculative']['acceptance_rate']:7.2f}  {r['identical']}"
             )
+    if isinstance(cpu, dict) and "crossover" in cpu:
+        cross = cpu["crossover"]
+        lines.append("CPU oracle at alpha (crossover)   k  switch  speedup  accept  same")
+        for r in cross["rows"].values():
+            lines.append(
+                f"  alpha {r['alpha']:<24.2f} {r['k']:2}  {str(r['switch']):6} {r['speedup']:7.2f}x"
+                f" {r['acceptance_rate']:7.2f}  {r['identical']}"
+            )
+        if "verify_row_cost" in cross:
+            lines.append(f"  one more verified row costs (k: one-row steps): {cross['verify_row_cost']}")
+        if "crossover_alpha_k1" in cross:
+            lines.append(f"  speculation pays at k = 1 from alpha = {cross['crossover_alpha_k1']:.2f}")
+    if isinstance(cpu, dict):
         acc = cpu.get("int4_draft_acceptance")
         if acc:
             lines.append(f"INT4 copy as greedy draft: per-token agreement {acc['per_token_agreement']:.3f}")
@@ -340,6 +419,8 @@ def table(res: dict[str, Any]) -> str:
                     f" {r['speedup']:7.2f}x {r['acceptance_rate']:7.2f}"
                 )
         lines.append(f"  speculation pays up to batch {gpu['oracle_pays_up_to_batch']}")
+        if "verify_row_cost" in gpu:
+            lines.append(f"  one more verified row costs (k: one-row steps): {gpu['verify_row_cost']}")
         d = gpu.get("int4_self_draft")
         if d:
             for k, r in d["by_k"].items():
@@ -358,6 +439,11 @@ def main() -> None:
     ap.add_argument("--random-tokens", type=int, default=64)
     ap.add_argument("--random-prompts", type=int, default=4)
     ap.add_argument("--skip-int4", action="store_true")
+    ap.add_argument("--skip-crossover", action="store_true")
+    ap.add_argument("--skip-ngram", action="store_true", help="the crossover and INT4 parts only")
+    ap.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.8])
+    ap.add_argument("--crossover-prompts", type=int, default=2)
+    ap.add_argument("--crossover-tokens", type=int, default=48)
     ap.add_argument("--alpha", type=float, default=0.8)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=256)

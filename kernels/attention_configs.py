@@ -43,10 +43,10 @@ def _default_configs(
     rows = max(16, triton.next_power_of_2(g))
     if not is_cuda:  # TRITON_INTERPRET: small tiles, so that tiny test shapes span several of them
         return AttnConfig(rows, 16), AttnConfig(max(32, rows), 16)
-    # Chosen by the sweeps of benchmarks/kernels.py on the H200 (benchmarks/NOTES.md). The decode tile's two
+    # Chosen by the sweeps of benchmarks/kernel_speed.py on the H200 (benchmarks/NOTES.md). The decode tile's two
     # stages (three before) were chosen in the engine: W1 runs at the H200's power cap, where they were faster in
     # the decode steps' graphs and in W1 (runs 45-48), with the same arithmetic (the same tokens).
-    # Gemma 3's head_dim of 256 is not measured yet (benchmarks/kernels.py's sweeps on the H200 should choose):
+    # Gemma 3's head_dim of 256 is not measured yet (benchmarks/kernel_speed.py's sweeps on the H200 should choose):
     # its tiles keep the fp32 accumulator small (prefill: 64 x 256 in 8 warps, 64 registers a thread; decode:
     # 16 x 256 in 4, 32) and take half the keys a step, so that the shared memory holds as many programs.
     decode = AttnConfig(rows, 64 if head_dim <= 128 else 32, num_warps=4, num_stages=2, maxnreg=128)

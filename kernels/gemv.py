@@ -61,7 +61,7 @@ def _gemv_kernel(
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [n, k]^T product. At one row, four weight rows of 1,024 a
-    program (32 fp32 partials a thread): of the 24 tilings `benchmarks/kernels.py` sweeps, the fastest on nine
+    program (32 fp32 partials a thread): of the 24 tilings `benchmarks/kernel_speed.py` sweeps, the fastest on nine
     of the ten 8B layers (whole and halved) on an H200; QKV reads 6% faster at (8, 512, 4). Wider rows keep up
     to 64 partials a thread."""
     block_m = triton.next_power_of_2(m)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
 # Steps of this many rows go through the Triton GEMV: on the H200 it beats cuBLAS at one row (batch-1 decode)
-# and loses to it at two and four on most of the 8B layers (benchmarks/kernels.py --sections gemv).
+# and loses to it at two and four on most of the 8B layers (benchmarks/kernel_speed.py --sections gemv).
 _GEMV_ROWS = 1
 
 

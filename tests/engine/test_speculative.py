@@ -195,3 +195,83 @@ def test_structured_outputs_speculate_and_roll_back(run, spec_llm: LLM, llm: LLM
     drafted = sum(s.num_draft_tokens for s in steps)
     assert 0 < sum(s.num_accepted_tokens for s in steps) < drafted
     assert sum(s.num_constrained for s in steps) > 0
+
+
+def test_acceptance_switch(run, model_dir: Path, llm: LLM) -> None:
+    """An always-wrong proposer is switched off (a one-token probe now and then), an always-right one stays on;
+    greedy outputs are the engine's without speculation either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = llm.generate(PROMPTS[:1], params)[0]
+    oracle = {"method": "oracle", "num_speculative_tokens": 3, "acceptance_rate": 0.0}
+    spec_llm = LLM(model=model_dir, speculative_config=oracle)
+    speculator = spec_llm.engine.speculator
+    speculator.proposer.add_reference(want.prompt_token_ids, want.outputs[0].token_ids)
+    for alpha in (0.0, 1.0):
+        speculator.proposer.alpha = alpha
+        outs, steps = run(spec_llm, PROMPTS[:1], [params])
+        assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
+        drafted = [s.num_draft_tokens for s in steps[1:]]  # after the prefill
+        if alpha == 0.0:
+            late = drafted[12:]  # the switch is off: a one-token probe every PROBE_EVERY steps
+            assert sum(drafted[:3]) >= 6 and max(late) <= 1 and 0 < sum(late) <= len(late) // 4
+        else:
+            assert all(drafted[:-1]) and sum(s.num_accepted_tokens for s in steps) == sum(drafted)
+
+
+def test_draft_blocks_swap_with_their_group(run, tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    """Under forced preemption by swap the draft's blocks are swapped out and back in with their group: outputs
+    unchanged, and once the requests end no block is held in either of the draft's pools."""
+    tiny = tiny_hf_model(tmp_path / "tiny", "Llama", max_position_embeddings=128)
+    prompts = [{"prompt_token_ids": list(range(30 + 7 * i, 42 + 7 * i))} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    plain = LLM(model=tiny, block_size=4).generate(prompts, greedy)
+    draft = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2}
+    kw = dict(block_size=4, num_gpu_blocks_override=24, preemption_mode="swap", swap_space=0.01)
+    llm = LLM(model=tiny, speculative_config=draft, **kw)
+    llm.engine.speculator.switch = None  # a draft as large as its target never pays: propose all the same
+    outs, steps = run(llm, prompts, [greedy] * 3)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    proposer = llm.engine.speculator.proposer
+    assert sum(s.num_preempted for s in steps) > 0
+    assert proposer.num_swap_outs > 0 and proposer.num_swap_ins > 0
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+    proposer.kv.check_integrity()
+    assert proposer.kv.num_free_gpu_blocks == proposer.kv.num_gpu_blocks
+    assert proposer.kv.num_free_cpu_blocks == proposer.kv.num_cpu_blocks > 0
+
+
+def test_draft_memory_shares_the_target_budget(tmp_path: Path, tiny_hf_model) -> None:  # noqa: ANN001
+    """A draft model's KV pool and swap pool come out of the target's budget (cpu_kv_cache_space and swap_space
+    here; gpu_memory_utilization on a GPU): equal pools, or the draft's capped by disable_by_batch_size with
+    the rest the target's. Catch-up passes take at most max_num_batched_tokens tokens, outputs unchanged."""
+    tiny = tiny_hf_model(tmp_path / "tiny", "Llama", max_position_embeddings=128)
+    space, swap = 2**20, 2**19
+    kw = dict(
+        block_size=4, cpu_kv_cache_space=space / 2**30, swap_space=swap / 2**30, max_num_batched_tokens=24
+    )
+    plain = LLM(model=tiny, **kw)
+    bb = plain.engine.runner.block_bytes
+    assert plain.engine.runner.num_gpu_blocks == space // bb
+    draft = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 2}
+    llm = LLM(model=tiny, speculative_config=draft, **kw)
+    runner, proposer = llm.engine.runner, llm.engine.speculator.proposer
+    dbb = runner.draft.block_bytes
+    assert dbb == bb  # the tiny model drafts for itself
+    assert runner.num_gpu_blocks == proposer.kv.num_gpu_blocks == space // (bb + dbb)
+    assert runner.num_cpu_blocks == proposer.kv.num_cpu_blocks == swap // (bb + dbb)
+    assert proposer.cache.numel() * proposer.cache.element_size() == proposer.kv.num_gpu_blocks * dbb
+    capped = LLM(model=tiny, speculative_config={**draft, "disable_by_batch_size": 1}, **kw)
+    runner = capped.engine.runner
+    assert runner.num_draft_blocks == 128 // 4 + 1
+    assert runner.num_gpu_blocks == (space - runner.num_draft_blocks * dbb) // bb
+    # A 60-token prompt: the draft catches up in passes of at most 24 tokens.
+    calls: list[int] = []
+    forward = proposer._forward
+    proposer._forward = lambda mirrors, feed: calls.append(sum(map(len, feed))) or forward(mirrors, feed)
+    llm.engine.speculator.switch = None
+    prompts = [{"prompt_token_ids": list(range(40, 100))}, {"prompt_token_ids": list(range(7, 40))}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert max(calls) <= 24 and sum(calls) >= 60 + 33
+    proposer.kv.check_integrity()

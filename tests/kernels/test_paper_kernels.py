@@ -12,9 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import kernel_speed as kb  # noqa: E402
 import paper_kernels  # noqa: E402
-
-import kernels as kb  # noqa: E402  benchmarks/kernels.py
 
 
 @pytest.mark.parametrize("heads", [(4, 2, 16), (2, 2, 32)])

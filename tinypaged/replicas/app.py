@@ -41,16 +41,20 @@ PREFIX_AFFINITY_KWARGS = {
 }
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its cached blocks to the routers
 MAX_ONGOING = 128  # requests a replica takes at once (its engine batches them; more wait in the router)
+# How often a stopping replica looks for requests still in flight (Serve's default, 2 s, made each of the three
+# deployments, deleted one after another, wait 2 s when idle: an idle `serve --replicas` took 7-13 s to exit).
+DRAIN_POLL_S = 0.2
 
 
-def _router_config(router: str) -> RequestRouterConfig:
+def _router_config(router: str, kwargs: dict[str, Any] | None = None) -> RequestRouterConfig:
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}; got {router!r}")
     module, name = ROUTERS[router].split(":")
     cls = getattr(__import__(module, fromlist=[name]), name)
     return RequestRouterConfig(
         request_router_class=cls,
-        request_router_kwargs=PREFIX_AFFINITY_KWARGS if router == "prefix-affinity" else {},
+        request_router_kwargs=(PREFIX_AFFINITY_KWARGS if router == "prefix-affinity" else {})
+        | (kwargs or {}),
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         request_routing_stats_timeout_s=5.0,
     )
@@ -80,7 +84,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from its arguments (a Serve config's `args`): `engine` (EngineConfig's fields), `server`
     (ServerConfig's limits: api_key, served_model_name, max_queue_len, max_body_bytes, shutdown_timeout),
     `replicas` (a count; with `max_replicas` above it, the least of an autoscaled range), `target_ongoing_requests`
-    (autoscaling's target queue depth per replica), `router`, `engine_process`, `engine_stall_timeout`."""
+    (autoscaling's target queue depth per replica; `autoscaling`: other fields of Ray Serve's AutoscalingConfig,
+    such as its delays), `router` (and `router_kwargs`, its initialize_state's
+    arguments), `engine_process`, `engine_stall_timeout`."""
     engine_kwargs = dict(args.get("engine") or {})
     server_kwargs = dict(args.get("server") or {})
     config = EngineConfig(**engine_kwargs)
@@ -91,33 +97,42 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         raise ValueError(f"need 1 <= replicas <= max_replicas, got {replicas} and {most}")
     scale: dict[str, Any] = {"num_replicas": replicas}
     if most > replicas:
-        target = float(args.get("target_ongoing_requests", 8))
+        autoscaling = {
+            "min_replicas": replicas,
+            "max_replicas": most,
+            "target_ongoing_requests": float(args.get("target_ongoing_requests", 8)),
+            "upscale_delay_s": 5.0,
+            "downscale_delay_s": 60.0,
+        }
         scale = {
-            "autoscaling_config": AutoscalingConfig(
-                min_replicas=replicas,
-                max_replicas=most,
-                target_ongoing_requests=target,
-                upscale_delay_s=5.0,
-                downscale_delay_s=60.0,
-            )
+            "autoscaling_config": AutoscalingConfig(**(autoscaling | dict(args.get("autoscaling") or {})))
         }
     shutdown = float(server_kwargs.get("shutdown_timeout", 30.0))
     replica = serve.deployment(
         EngineReplica,
         name="EngineReplica",
         max_ongoing_requests=MAX_ONGOING,
-        request_router_config=_router_config(args.get("router", "kv")),
+        request_router_config=_router_config(args.get("router", "kv"), args.get("router_kwargs")),
         graceful_shutdown_timeout_s=shutdown,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         health_check_period_s=5.0,
         **scale,
         **_replica_resources(config, _use_gpus(config)),
     )
-    board = serve.deployment(MetricsBoard, name="MetricsBoard", ray_actor_options={"num_cpus": 0})
+    board = serve.deployment(
+        MetricsBoard,
+        name="MetricsBoard",
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=1.0,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+    )
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=shutdown,  # its relays of in-flight requests drain as the replicas do
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
     board_app = board.bind()
     engine_app = replica.bind(

@@ -135,13 +135,18 @@ class EngineReplica:
             raise RuntimeError(f"the engine cannot serve: {why}")
 
     async def __del__(self) -> None:
+        """Serve stopping the replica (after its requests drained): leave the board, stop the server and its
+        engine (`stop_server`: the engine's core process too). The board may be stopping as well: a short wait,
+        then it drops this replica by itself (STALE_AFTER_S)."""
+        from tinypaged.server.app import stop_server
+
         if self._pusher is not None:
             self._pusher.cancel()
             with contextlib.suppress(Exception):
-                await self.board.drop.remote(self.replica_id)
+                await asyncio.wait_for(self.board.drop.remote(self.replica_id), 1.0)
         with contextlib.suppress(Exception):
             await self.session.close()
-            await self.runner.cleanup()
+        await stop_server(self.runner)
 
 
 def _raw_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:

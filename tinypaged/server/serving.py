@@ -69,6 +69,7 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.tokenizer.max_token_chars  # noqa: B018 - computed now, not in the first request (0.1 s for 128k tokens)
         self.model_name = model_name
         self.metrics = metrics
         self.max_queue_len = max_queue_len

@@ -30,6 +30,7 @@ import torch
 from tinypaged import compile_cache, ops
 from tinypaged.config import EngineConfig
 from tinypaged.core.scheduler import SchedulerOutput
+from tinypaged.engine.device.draft_weights import DraftWeights, load_draft, split_kv_budget
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
 from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.model import AttentionMetadata, load_model
@@ -111,6 +112,8 @@ class RunnerStats:
     profile_activation_bytes: int = 0
     non_torch_bytes: int = 0
     kv_cache_bytes: int = 0
+    draft_weights_bytes: int = 0  # a draft model's (speculative decoding), in the same budget
+    draft_kv_cache_bytes: int = 0
     kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
     kv_scales: str = ""  # where an FP8 cache's scales came from
     kv_cache_s: float = 0.0  # sizing (the profiling pass, which compiles the prefill kernels) and allocation
@@ -163,6 +166,13 @@ class ModelRunner:
         )
         self.stats.load_s = time.perf_counter() - t0
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # A draft model (speculative decoding) loads before the KV cache is sized, on the driver's rank alone:
+        # its weights and its pools share the target's budget (draft_weights.py).
+        self.draft: DraftWeights | None = None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and self.tp.rank == 0:
+            self.draft = load_draft(config, self.device, self.dtype)
+            self.stats.draft_weights_bytes = self.draft.weights_bytes
         self.block_size = config.block_size
         t0 = time.perf_counter()
         kv_start, kv_end = self.tp.kv_heads(mcfg.num_kv_heads)
@@ -186,7 +196,11 @@ class ModelRunner:
         self.num_gpu_blocks = self.tp.min_int(
             config.num_gpu_blocks_override or self._blocks_that_fit(), self.device
         )
-        self.num_cpu_blocks = int(config.swap_space * GiB // self.block_bytes)
+        self.num_cpu_blocks = self._split(int(config.swap_space * GiB))
+        self.num_draft_blocks = self.draft.pool_blocks(self.num_gpu_blocks) if self.draft else 0
+        self.num_draft_cpu_blocks = min(self.num_draft_blocks, self.num_cpu_blocks)
+        if self.draft is not None:
+            self.stats.draft_kv_cache_bytes = self.num_draft_blocks * self.draft.block_bytes
         # Zeroed, not empty: the torch reference attention reads whole blocks (and padding) and masks afterwards,
         # and uninitialised memory can hold NaNs, which a zero attention weight does not cancel (0 * NaN = NaN).
         self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True)
@@ -215,6 +229,14 @@ class ModelRunner:
             self._graph_sizes or "(none)",
             self._token_sizes or "(none)",
         )
+        if self.draft is not None:
+            logger.info(
+                "Draft model: %.2f GiB of weights; its KV cache %d blocks (%.2f GiB), swap %d blocks",
+                self.draft.weights_bytes / GiB,
+                self.num_draft_blocks,
+                self.stats.draft_kv_cache_bytes / GiB,
+                self.num_draft_cpu_blocks,
+            )
 
     def _allocate(
         self,
@@ -238,7 +260,7 @@ class ModelRunner:
         forward pass over max_num_batched_tokens + memory outside torch's allocator, e.g. the CUDA context).
         """
         if self.device.type == "cpu":
-            return max(1, int(self.config.cpu_kv_cache_space * GiB // self.block_bytes))
+            return max(1, self._split(int(self.config.cpu_kv_cache_space * GiB)))
         torch.cuda.empty_cache()
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -258,9 +280,14 @@ class ModelRunner:
         self.stats.non_torch_bytes = non_torch
         used = torch.cuda.memory_allocated(self.device) + activations + non_torch + sampler
         budget = total * self.config.gpu_memory_utilization - used
-        if budget < self.block_bytes:
+        blocks = self._split(int(budget))
+        if blocks < 1:
             raise MemoryError("no GPU memory left for the KV cache; raise --gpu-memory-utilization")
-        return int(budget // self.block_bytes)
+        return blocks
+
+    def _split(self, budget: int) -> int:
+        """The target's KV blocks in `budget` bytes, beside the draft model's pool when there is one."""
+        return split_kv_budget(budget, self.block_bytes, self.draft)
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

@@ -81,12 +81,12 @@ class DrawBatch:
         get_seq: Callable[[int], Sequence | None],
         eos_ids: frozenset[int],
         fail: Callable[[Request], None],
-        q_of: Callable[[int], Any] = lambda seq_id: None,
+        draft_of: Callable[[int], Any] = lambda seq_id: (None, None),
     ) -> DrawBatch:
         """The draws each running request's strategy asks of its sequences' logits rows this step (the rows of
         the scheduled sequences that sample, in order: one each, k + 1 for a verification of k proposed tokens,
-        whose draft distributions `q_of` gives). A request whose draws cannot be prepared is `fail`ed (called
-        while its exception is handled)."""
+        whose draft distributions, and the oracle's accepted count, `draft_of` gives). A request whose draws
+        cannot be prepared is `fail`ed (called while its exception is handled)."""
         batch = cls()
         token, score = batch.token, batch.score
         row = 0
@@ -104,7 +104,7 @@ class DrawBatch:
                     (draw,) = req.strategy.draws(req, seq)
                     draw = draw._replace(spec=proposed, defer=False)
                     rows = [spec_row(req, seq, draw, eos_ids, proposed[:j]) for j in range(len(proposed) + 1)]
-                    batch.spec.append((req, draw, Verify(rows, proposed, q_of(seq.seq_id))))
+                    batch.spec.append((req, draw, Verify(rows, proposed, *draft_of(seq.seq_id))))
                     batch.spec_src.append(row - 1 - s.num_spec_tokens)
                     continue
                 draws = [(d, sampling_row(req, seq, d, eos_ids)) for d in req.strategy.draws(req, seq)]

@@ -32,11 +32,13 @@ _TINY = 2.0**-24
 @dataclass(frozen=True)
 class Verify:
     """One sequence's verification: rows[j] samples position j (k + 1 rows for k proposed tokens); q is the
-    draft's distribution at each proposed position `[k, vocab]` (None: a point mass on each proposal)."""
+    draft's distribution at each proposed position `[k, vocab]` (None: a point mass on each proposal); `accept`
+    (benchmarks: the oracle proposer) overrides how many proposals are accepted."""
 
     rows: list[SamplingRow]
     proposed: tuple[int, ...]
     q: torch.Tensor | None = None
+    accept: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[Verify]) -> list[
     accepted: list[int] = []
     n = 0
     for i, it in enumerate(items):
-        a = 0
-        while a < len(it.proposed) and u_acc[starts[i] + a] * q_d[n + a] < p_d[n + a]:
-            a += 1
+        if it.accept is not None:  # the oracle's count (benchmarks)
+            a = min(it.accept, len(it.proposed))
+        else:
+            a = 0
+            while a < len(it.proposed) and u_acc[starts[i] + a] * q_d[n + a] < p_d[n + a]:
+                a += 1
         accepted.append(a)
         n += len(it.proposed)
     # The final token of each sequence: from the residual at its first rejection, else from its last row.

@@ -6,27 +6,38 @@ target's rejection sampling.
 The draft's KV cache is paged by the same block manager (core/kv_cache_manager.py) over a pool of its own. Per
 sequence it remembers the tokens whose K/V it holds; at the next proposal it keeps the longest prefix of them
 that the sequence still has (the proposals the target accepted) and gives back the blocks past it, then
-catches up on the rest in one ragged pass, and decodes k - 1 more. A sequence that left the GPU (finished,
-preempted, swapped) is freed at the next proposal; it catches up from its prompt when it comes back. A sequence
-whose blocks do not fit in the draft's pool gets no proposal that step (it decodes as without speculation).
+catches up on the rest in ragged passes, and decodes k - 1 more. Preemption follows the target's: a group
+swapped out has its draft blocks swapped out too (to the draft's own CPU pool) and back in
+at its next proposal, so it resumes without recomputing; a group preempted by recompute, or one whose draft blocks
+do not fit the CPU pool, is freed and catches up from its prompt when it comes back. A sequence that ended is
+freed at the next proposal. A sequence whose blocks do not fit in the draft's pool gets no proposal that step (it
+decodes as without speculation).
+
+The draft's weights are loaded, and its pools sized within the target's memory budget, by the model runner
+(device/draft_weights.py). A catch-up pass takes at most max_num_batched_tokens tokens, so the draft's
+activations stay within the profiled peak of the target's largest step.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
-from tinypaged.config import EngineConfig, ModelConfig
-from tinypaged.core.kv_cache_manager import KVCacheManager, cdiv
-from tinypaged.core.sequence import Sequence
-from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged import ops
+from tinypaged.config import EngineConfig
+from tinypaged.core.kv_cache_manager import KVCacheManager
+from tinypaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tinypaged.engine.request import Request
 from tinypaged.engine.sampling.rejection import target_probs
 from tinypaged.engine.sampling.sampler import _GAMMA, SamplingRow, mix64, upload
 from tinypaged.engine.speculative.proposers import NO_PROPOSAL, OracleProposer, Proposal
-from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.model import AttentionMetadata
 from tinypaged.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from tinypaged.engine.device.model_runner import ModelRunner
 
 _DRAFT = 0xD4AF7  # salt: the draft's uniforms are independent of verification's
 
@@ -35,18 +46,27 @@ class DraftModelProposer:
     """Runs the draft model over its own paged KV cache; see the module docstring."""
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, runner: ModelRunner) -> None:
-        mcfg = ModelConfig.from_dir(spec.model) if spec.model is not None else config.model_config
-        assert config.max_model_len is not None
+        draft = runner.draft  # loaded, and its pools sized, by the runner (device/draft_weights.py)
+        assert draft is not None and config.max_model_len is not None
+        mcfg = draft.config
         self.device, self.dtype = runner.device, runner.dtype
-        self.model = load_model(
-            mcfg, self.dtype, self.device, config.max_model_len, None, spec.quantization, cpu_kernels=True
-        )
+        self.model = draft.model
+        # The acceptance switch's cost of one proposed token, in target decode steps: a batch-1 decode reads
+        # every weight once, so the draft's weight bytes over the target's.
+        self.token_cost = draft.weights_bytes / max(runner.stats.weights_bytes, 1)
         self.block_size = bs = config.block_size
-        # Room for a few sequences at max_model_len, never more than the target's pool: the draft is small.
-        blocks = min(runner.num_gpu_blocks, cdiv(config.max_model_len, bs) * min(config.max_num_seqs, 4) + 8)
-        self.kv = KVCacheManager(bs, blocks, 0, watermark=0.0)
+        self.max_chunk = config.max_num_batched_tokens  # a catch-up pass's most tokens
+        blocks, swap_blocks = runner.num_draft_blocks, runner.num_draft_cpu_blocks
+        self.kv = KVCacheManager(bs, blocks, swap_blocks, watermark=0.0)
         shape = (mcfg.num_layers, 2, blocks, bs, mcfg.num_kv_heads, mcfg.head_dim)
         self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cpu = torch.device("cpu")
+        pin = self.device.type == "cuda"
+        self.swap_cache = torch.zeros((*shape[:2], swap_blocks, *shape[3:]), dtype=self.dtype, device=cpu)
+        if pin and swap_blocks:
+            self.swap_cache = self.swap_cache.pin_memory()
+        self._swapped: dict[int, SequenceGroup] = {}  # seq id -> its group, while its draft blocks are on CPU
+        self.num_swap_outs = self.num_swap_ins = 0
         self.vocab_size = config.model_config.vocab_size
         self._mirror: dict[int, Sequence] = {}  # per sequence: the tokens whose K/V the draft holds
         # Benchmarks: keep the draft's cost, replace its proposals as the oracle's (docs/speculative.md).
@@ -55,9 +75,36 @@ class DraftModelProposer:
             self.oracle = OracleProposer(spec.oracle_acceptance_rate, self.vocab_size, config.seed)
 
     def free(self, seq_id: int) -> None:
-        """Forget a sequence: its draft blocks go back."""
+        """Forget a sequence: its draft blocks go back (to the CPU pool when they are swapped out)."""
+        self._swapped.pop(seq_id, None)
         if self._mirror.pop(seq_id, None) is not None:
             self.kv.free(seq_id)
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """The target preempted the group: swap its draft blocks out with it, or free them (recompute, or no
+        room in the CPU pool: the draft catches up from the prompt when the group comes back)."""
+        seqs = [s for s in group.seqs if s.seq_id in self._mirror]
+        if swapped and seqs and self.kv.can_swap_out(group):
+            ops.swap_blocks(self.cache, self.swap_cache, self.kv.swap_out(group))
+            self._swapped.update((s.seq_id, group) for s in seqs)
+            self.num_swap_outs += 1
+            return
+        for s in seqs:
+            self.free(s.seq_id)
+
+    def _swap_in(self, seq: Sequence) -> None:
+        """Bring back the draft blocks of the sequence's group (swapped out with it) before it proposes again;
+        freed instead if the draft's GPU pool has no room for them."""
+        group = self._swapped[seq.seq_id]
+        seqs = [seq_id for seq_id, g in self._swapped.items() if g is group]
+        if self.kv.can_swap_in(group, use_watermark=False):
+            ops.swap_blocks(self.swap_cache, self.cache, self.kv.swap_in(group))
+            self.num_swap_ins += 1
+            for seq_id in seqs:
+                del self._swapped[seq_id]
+        else:
+            for seq_id in seqs:
+                self.free(seq_id)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -77,14 +124,17 @@ class DraftModelProposer:
     def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
         """k tokens per sequence, drawn one position at a time from the draft's processed distribution."""
         live = {seq.seq_id for _, seq, _ in batch}
-        for seq_id in [s for s in self._mirror if s not in live]:
-            self.free(seq_id)  # left the GPU or ended since the last proposal
+        for seq_id in [s for s in self._mirror if s not in live and not self._waits_swapped(s)]:
+            self.free(seq_id)  # ended or preempted since the last proposal
+        for _, seq, _ in batch:
+            if seq.seq_id in self._swapped:
+                self._swap_in(seq)
         items = [(req, seq, k) for req, seq, k in batch if self._catch_up_fits(seq, k)]
         if not items:
             return [NO_PROPOSAL] * len(batch)
         mirrors = [self._mirror[seq.seq_id] for _, seq, _ in items]
         # Catch up: every token the draft has not computed, the sequence's last included; then k - 1 decodes.
-        feed = [m.token_ids[m.num_computed_tokens :] for m in mirrors]
+        feed = self._catch_up(mirrors, [m.token_ids[m.num_computed_tokens :] for m in mirrors])
         drafts: list[list[int]] = [[] for _ in items]
         qs: list[list[torch.Tensor]] = [[] for _ in items]
         active = list(range(len(items)))
@@ -109,9 +159,29 @@ class DraftModelProposer:
         }
         if self.oracle is not None:  # the draft's cost kept, its proposals replaced (point masses)
             for _, seq, _ in items:
-                n = len(out[seq.seq_id].tokens)
-                out[seq.seq_id] = Proposal(self.oracle.corrupt(self.oracle.reference(seq, n)))
+                out[seq.seq_id] = self.oracle.proposal(seq, len(out[seq.seq_id].tokens))
         return [out.get(seq.seq_id, NO_PROPOSAL) for _, seq, _ in batch]
+
+    def _catch_up(self, mirrors: list[Sequence], feed: list[list[int]]) -> list[list[int]]:
+        """Run the feeds' leading tokens in passes of at most max_chunk tokens until what is left of them fits
+        one pass (each keeps its last token, whose logits the first proposal needs); what is left."""
+        while sum(len(f) for f in feed) > self.max_chunk:
+            room, take = self.max_chunk, []
+            for f in feed:
+                take.append(min(len(f) - 1, room))
+                room -= take[-1]
+            run = [i for i, n in enumerate(take) if n]
+            if not run:  # more sequences than the chunk has tokens: one token each is left, in one pass
+                break
+            self._forward([mirrors[i] for i in run], [feed[i][: take[i]] for i in run])
+            feed = [f[n:] for f, n in zip(feed, take, strict=True)]
+        return feed
+
+    def _waits_swapped(self, seq_id: int) -> bool:
+        """Whether the sequence's draft blocks are swapped out with its group, which has not ended."""
+        group = self._swapped.get(seq_id)
+        statuses = (SequenceStatus.SWAPPED, SequenceStatus.RUNNING)
+        return group is not None and any(s.seq_id == seq_id and s.status in statuses for s in group.seqs)
 
     def _catch_up_fits(self, seq: Sequence, k: int) -> bool:
         """Bring the sequence's mirror to its tokens (keeping the K/V of the prefix they share, freeing the rest)

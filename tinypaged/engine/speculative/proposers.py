@@ -5,8 +5,10 @@ distribution at each when it sampled them (None: a point mass, the proposer is d
 `NgramProposer` is vLLM's prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min. `OracleProposer` (benchmarks)
 proposes the target's own greedy continuation, known beforehand, each token kept with probability alpha and
-replaced by a wrong one otherwise, at no cost: it measures verification itself. Learned heads (EAGLE, MTP)
-would be proposers too: they answer the same call.
+replaced by a wrong one otherwise, at no cost: it measures verification itself. Its acceptance is controlled:
+it tells verification how many of its tokens to accept (`Proposal.accept`), so that a pass in bf16, whose
+several rows round differently from a one-row pass and so soon leave the one-row reference on a random-weight
+model, still accepts alpha's share. Learned heads (EAGLE, MTP) would be proposers too: they answer the same call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tinypaged.core.sequence import Sequence
+from tinypaged.core.sequence import Sequence, SequenceGroup
 from tinypaged.engine.request import Request
 
 
@@ -27,6 +29,7 @@ class Proposal(NamedTuple):
 
     tokens: tuple[int, ...]
     q: torch.Tensor | None = None
+    accept: int | None = None  # benchmarks (the oracle): accept this many, whatever the target's rows say
 
 
 NO_PROPOSAL = Proposal(())
@@ -41,6 +44,11 @@ class Proposer(Protocol):
 
     def free(self, seq_id: int) -> None:
         """The sequence ended or left the GPU: forget any state kept for it."""
+        ...
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """The target preempted the group, by swapping it out (`swapped`) or for recompute: state kept on the
+        device for its sequences follows it."""
         ...
 
     def warm_up(self) -> None:
@@ -60,6 +68,9 @@ class NgramProposer:
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""
@@ -84,8 +95,10 @@ def ngram_lookup(token_ids: list[int], min_n: int, max_n: int, k: int) -> tuple[
 
 class OracleProposer:
     """Benchmarks only: proposes each sequence's reference continuation (the target's own greedy output, given
-    by `add_reference`), each token right with probability `alpha` and a wrong one otherwise, at no cost. A
-    sequence off its reference (or without one) gets no proposal."""
+    by `add_reference`; past its end, or without one, the last token repeated), and has verification accept
+    the leading tokens that each stayed right with probability `alpha`; the first that did not is made wrong.
+    The acceptance is the oracle's, not the target's: outputs follow the reference only as far as the target's
+    own choices agree with it (always in float32 on the CPU; a bf16 several-row pass may round otherwise)."""
 
     def __init__(self, alpha: float, vocab_size: int, seed: int = 0) -> None:
         self.alpha = alpha
@@ -98,23 +111,28 @@ class OracleProposer:
         self._refs[tuple(prompt_token_ids)] = list(output_token_ids)
 
     def propose(self, batch: list[tuple[Request, Sequence, int]]) -> list[Proposal]:
-        """The reference's next k tokens, each replaced by a wrong token with probability 1 - alpha."""
-        return [Proposal(self.corrupt(self.reference(seq, k))) for _, seq, k in batch]
+        """k tokens per sequence, the first `accept` of them declared right (see `proposal`)."""
+        return [self.proposal(seq, k) for _, seq, k in batch]
 
-    def reference(self, seq: Sequence, k: int) -> list[int]:
-        """The next (up to) k tokens of the sequence's reference; [] when it has none or left it."""
-        ref = self._refs.get(tuple(seq.token_ids[: seq.prompt_len]))
+    def proposal(self, seq: Sequence, k: int) -> Proposal:
+        """The reference's next k tokens (padded with the last token); j leading ones kept, each with
+        probability alpha, and the one at j, if any, replaced by a wrong one (the next id): accept j."""
+        ref = self._refs.get(tuple(seq.token_ids[: seq.prompt_len]), [])
         done = len(seq.token_ids) - seq.prompt_len
-        if ref is None or ref[:done] != seq.token_ids[seq.prompt_len :]:
-            return []
-        return ref[done : done + k]
-
-    def corrupt(self, tokens: list[int]) -> tuple[int, ...]:
-        """Each token kept with probability alpha, else replaced by another (the next id, wrapping)."""
-        return tuple(t if self._rng.random() < self.alpha else (t + 1) % self.vocab_size for t in tokens)
+        tokens = ref[done : done + k]
+        tokens += [tokens[-1] if tokens else seq.token_ids[-1]] * (k - len(tokens))
+        j = 0
+        while j < k and self._rng.random() < self.alpha:
+            j += 1
+        if j < k:
+            tokens[j] = (tokens[j] + 1) % self.vocab_size
+        return Proposal(tuple(tokens), None, j)
 
     def free(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
+
+    def preempted(self, group: SequenceGroup, swapped: bool) -> None:
+        """Nothing is kept on the device."""
 
     def warm_up(self) -> None:
         """Nothing to compile: proposing runs on the host."""

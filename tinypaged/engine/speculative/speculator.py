@@ -8,6 +8,8 @@ position, `GrammarState.mask`), and
 there is room: k is cut so that the output fits max_tokens and the sequence max_model_len. Speculation is off
 for a step once more requests are running or waiting than `disable_by_batch_size` (vLLM's switch): at a large
 batch the forward pass is no longer bound by reading the weights, and verifying rejected tokens costs compute.
+Per sequence, the acceptance switch (switch.py) lowers k, down to none, while its recent acceptance makes
+proposing more tokens cost more than they are expected to save.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tinypaged.engine.request import Request
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.rejection import Verified
 from tinypaged.engine.speculative.proposers import NgramProposer, OracleProposer, Proposer
+from tinypaged.engine.speculative.switch import VERIFY_ROW_COST, VERIFY_STEP_COST, AcceptanceSwitch
 from tinypaged.speculative import SpeculativeConfig
 
 
@@ -80,6 +83,7 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
     if spec is None:
         return Speculator(None, None, 0)
     proposer: Proposer
+    token_cost = 0.0  # the proposer's cost of one token, in target decode steps (host lookups: nothing)
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "oracle":
@@ -88,22 +92,35 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
         from tinypaged.engine.speculative.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config, spec, runner)
+        token_cost = proposer.token_cost
     assert config.max_model_len is not None
-    return Speculator(spec, proposer, config.max_model_len)
+    row_cost = VERIFY_ROW_COST.get(runner.device.type, VERIFY_ROW_COST["cuda"])
+    step_cost = VERIFY_STEP_COST.get(runner.device.type, VERIFY_STEP_COST["cuda"])
+    switch = AcceptanceSwitch(row_cost + token_cost, step_cost)
+    return Speculator(spec, proposer, config.max_model_len, switch)
 
 
 class Speculator:
     """Chooses the speculating sequences each step, asks the proposer, and counts what verification accepts."""
 
-    def __init__(self, spec: SpeculativeConfig | None, proposer: Proposer | None, max_model_len: int) -> None:
+    def __init__(
+        self,
+        spec: SpeculativeConfig | None,
+        proposer: Proposer | None,
+        max_model_len: int,
+        switch: AcceptanceSwitch | None = None,
+    ) -> None:
         self.spec = spec
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.switch = switch  # None: always propose k (benchmarks measure the crossover without it)
         self.totals = SpecCounters()
         self.enabled = spec is not None  # whether this step speculates (disable_by_batch_size)
         self.active = True  # False: never speculate (benchmarks time one engine with and without)
         self._proposed: list[Sequence] = []
-        self._q: dict[int, torch.Tensor] = {}
+        # Per sequence proposing this step: the draft's distributions and the oracle's accepted count (benchmarks)
+        self._drafts: dict[int, tuple[torch.Tensor | None, int | None]] = {}
+        self._known: set[int] = set()  # the sequences the proposer may keep state for
 
     def warm_up(self) -> None:
         """Compile what the proposer launches (the engine's warm-up calls it before ready)."""
@@ -121,24 +138,32 @@ class Speculator:
         if not self.enabled:
             return
         batch: list[tuple[Request, Sequence, int]] = []
+        switch, running = self.switch, set()
         for group in scheduler.running:
             req = requests.get(group.request_id)
             if req is None or not isinstance(req.strategy, ParallelSampling):
                 continue
             for seq in group.seqs:
+                running.add(seq.seq_id)
                 k = self._room(req, seq)
+                if switch is not None and k > 0:
+                    k = switch.k_for(seq.seq_id, k)
                 if k > 0:
                     batch.append((req, seq, k))
+        if switch is not None:
+            switch.retain(running)
         if not batch:
             return
+        self._known.update(seq.seq_id for _, seq, _ in batch)
         for (_, seq, k), prop in zip(batch, self.proposer.propose(batch), strict=True):
             tokens = tuple(prop.tokens[:k])
             if not tokens:
                 continue
             seq.spec_token_ids = tokens
             self._proposed.append(seq)
-            if prop.q is not None:
-                self._q[seq.seq_id] = prop.q[: len(tokens)]
+            if prop.q is not None or prop.accept is not None:
+                q = prop.q[: len(tokens)] if prop.q is not None else None
+                self._drafts[seq.seq_id] = (q, prop.accept)
 
     def _room(self, req: Request, seq: Sequence) -> int:
         """How many tokens this sequence may speculate now (0: it does not)."""
@@ -161,22 +186,39 @@ class Speculator:
             seq.spec_token_ids = ()
         self._proposed.clear()
 
-    def q_of(self, seq_id: int) -> torch.Tensor | None:
-        """The draft's distributions of this step's proposal for the sequence (None: point masses)."""
-        return self._q.get(seq_id)
+    def draft_of(self, seq_id: int) -> tuple[torch.Tensor | None, int | None]:
+        """The draft's distributions of this step's proposal for the sequence (None: point masses), and the
+        count to accept where the proposer decides it (the oracle; None: verification decides)."""
+        return self._drafts.get(seq_id, (None, None))
 
-    def verified(self, results: Iterable[tuple[int, Verified]]) -> SpecCounters:
-        """Count a step's verifications ((proposed tokens, result) each) and forget its distributions; the
-        step's counts."""
+    def verified(self, results: Iterable[tuple[int, int, Verified]]) -> SpecCounters:
+        """Count a step's verifications ((seq id, proposed tokens, result) each), tell the switch, and forget
+        their distributions; the step's counts."""
         step = SpecCounters()
-        for proposed, v in results:
+        for seq_id, proposed, v in results:
             step.add(proposed, v.num_accepted)
+            if self.switch is not None:
+                self.switch.observe(seq_id, proposed, v.num_accepted)
         self.totals.merge(step)
-        self._q.clear()
+        self._drafts.clear()
         return step
 
-    def free(self, seq_ids: Iterable[int]) -> None:
-        """These sequences ended or left the GPU: the proposer forgets them."""
-        for seq_id in seq_ids:
-            if self.proposer is not None:
+    def preempted(self, scheduler: Scheduler, request_ids: Iterable[str]) -> None:
+        """The schedule preempted these requests: what the proposer keeps for their sequences on the device
+        follows them (swapped out with a group swapped out, dropped with one that will recompute)."""
+        if self.proposer is None:
+            return
+        for request_id in request_ids:
+            group = scheduler.get_seq_group(request_id)
+            if group is not None:
+                swapped = any(s.status == SequenceStatus.SWAPPED for s in group.seqs)
+                self.proposer.preempted(group, swapped)
+
+    def idle(self) -> None:
+        """No request is left: the proposer forgets every sequence (a draft's blocks all go back)."""
+        if self.proposer is not None:
+            for seq_id in self._known:
                 self.proposer.free(seq_id)
+        self._known.clear()
+        if self.switch is not None:
+            self.switch.retain(())

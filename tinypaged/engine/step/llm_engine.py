@@ -1,6 +1,6 @@
 """LLMEngine: requests in; each `step()` schedules, executes, samples and updates; RequestOutputs out.
 
-One job, in about 460 lines: the order of a step's phases and what each hands the next (admission, the
+One job, in about 480 lines: the order of a step's phases and what each hands the next (admission, the
 speculator's proposals, schedule, execute, sample and verify, apply), with the failure of one request or of the
 step at each phase; the phases' own work lives in the modules they call.
 """
@@ -228,6 +228,7 @@ class LLMEngine:
             self.speculator.propose(self.scheduler, self._requests)  # speculative decoding's proposals
             sched = self.scheduler.schedule()
             self.speculator.scheduled()
+            self.speculator.preempted(self.scheduler, sched.preempted)
             preempted_pending = self._num_pending(sched.preempted)
             outputs += self._finish_ignored(sched.ignored)
             timer.scheduled()
@@ -249,6 +250,7 @@ class LLMEngine:
             self._step_failed(e, index, sched, prev if prev not in applied else None, outputs)
         if not self._requests:
             self._inflight = None
+            self.speculator.idle()
         timer.stop()
         graph = executed.graph if executed is not None else None
         kv = self.kv.num_free_gpu_blocks, self.scheduler.running, self.kv  # as the step leaves them
@@ -370,7 +372,12 @@ class LLMEngine:
         may stay on the device. A request whose draws cannot be made fails alone (its output into `failed`)."""
         fail = self._fail_into(failed, "preparing its sampling failed", index)
         batch = DrawBatch.collect(
-            sched.scheduled, self._requests, self.scheduler.get_seq, self.eos_ids, fail, self.speculator.q_of
+            sched.scheduled,
+            self._requests,
+            self.scheduler.get_seq,
+            self.eos_ids,
+            fail,
+            self.speculator.draft_of,
         )
         logits = executed.logits
         num_failed, num_constrained, mask_s = len(failed), 0, 0.0
@@ -386,7 +393,7 @@ class LLMEngine:
         fail = self._fail_into(failed, "sampling its next token failed", index)
         sampled, scores = batch.sample(self.sampler, logits, fail, index)
         spec = batch.verify(self.sampler, logits, fail, index)
-        self.speculator.verified((len(d.spec), v) for _, d, v in spec)
+        self.speculator.verified((d.seq.seq_id, len(d.spec), v) for _, d, v in spec)
         token, score = batch.token.draws, batch.score.draws
         deferred = (
             self.async_scheduling

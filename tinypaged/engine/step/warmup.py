@@ -38,6 +38,7 @@ from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.executor import Executor
 from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged.engine.sampling.beam_search import BeamSearch
 from tinypaged.engine.sampling.rejection import Verify, verify
 from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, upload
 from tinypaged.engine.sampling.structured import GrammarCompiler, bitmask_width
@@ -252,7 +253,7 @@ def _draw(
     beams = [i for i, v in enumerate(variants) if v.params.use_beam_search]
     if beams:
         scores = engine.sampler.beam_logprobs(logits[beams], [rows[i] for i in beams])
-        scores.flatten().topk(2)
+        _warm_beam_step(scores, min(engine.eos_ids, default=0))
     sampled = [i for i, v in enumerate(variants) if not v.params.use_beam_search]
     if sampled:
         best_of = any(rows[i].params.num_seqs > rows[i].params.n for i in sampled)
@@ -280,3 +281,17 @@ def start(engine: LLMEngine, started: float) -> tuple[tuple[str, float], ...]:
     cache = f"; compile cache {stats.compile_cache}" if stats.compile_cache else ""
     logger.info("startup: %s%s", ", ".join(f"{name} {s:.2f} s" for name, s in phases), cache)
     return phases
+
+
+def _warm_beam_step(scores: torch.Tensor, eos: int) -> None:
+    """Beam search's step on the device, as a beam request runs it: the scores' check, then `BeamSearch.select`
+    over one beam and over two, with a stop id in the vocabulary and at the length limit (its two branches).
+    Nothing here compiles, but torch loads a kernel's module the first time it launches (CUDA's lazy loading):
+    on the H200 the first beam request paid 0.06-0.08 s for those of the step's index arithmetic and merges."""
+    torch.isfinite(scores.amax(dim=-1)).tolist()
+    params = SamplingParams(temperature=0.0, n=2, use_beam_search=True)
+    for beams in ([(0, 0.0)], [(0, 0.0), (1, -1.0)]):
+        for limit in (8, 1):  # a stop id can end a beam; every candidate ends at the limit
+            search = BeamSearch(params, frozenset({eos}), limit, None)  # type: ignore[arg-type]  # no detokenizing
+            search.pending = {seq_id: scores[seq_id % scores.shape[0]] for seq_id, _ in beams}
+            search.select(beams, 0)

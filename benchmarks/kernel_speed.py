@@ -1,6 +1,6 @@
 """Check and time every Triton kernel on the GPU in one run, beside torch SDPA and the copy bandwidth.
 
-    python3 benchmarks/kernels.py [--out DIR] [--quick] [--sections SECTION ...]
+    python3 benchmarks/kernel_speed.py [--out DIR] [--quick] [--sections SECTION ...]
 
 Correctness at real shapes (bf16) against the torch references and SDPA, CUDA-graph capture of decode,
 then decode attention bandwidth (KV bytes read / time), prefill attention TFLOP/s, and RMSNorm / SwiGLU /

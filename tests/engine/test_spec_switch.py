@@ -1,0 +1,40 @@
+"""The acceptance switch's arithmetic (engine/speculative/switch.py): the k it picks against the expected gain,
+the acceptance estimate from tested proposals only, the probes (backing off) that let a switched-off sequence
+come back."""
+
+from __future__ import annotations
+
+from tinypaged.engine.speculative.switch import PROBE_EVERY, AcceptanceSwitch, best_k, expected_gain
+
+
+def test_best_k_follows_the_expected_gain() -> None:
+    assert best_k(0.0, 4, 0.1) == 0 and best_k(1.0, 4, 0.1) == 4
+    assert best_k(0.15, 4, 0.1) == 1 and best_k(0.05, 4, 0.1) == 0  # crossover at alpha = cost for k = 1
+    assert best_k(0.9, 4, 2.0) == 0  # a draft dearer than the step it saves never pays
+    for alpha in (0.2, 0.5, 0.8):
+        k = best_k(alpha, 8, 0.12)
+        assert all(expected_gain(alpha, k, 0.12) >= expected_gain(alpha, j, 0.12) for j in range(9))
+
+
+def test_a_verification_steps_own_cost_raises_the_crossover() -> None:
+    """The H200's verification step costs 0.66 decode steps beyond a decode step at any k (run 74)."""
+    assert best_k(0.5, 4, 0.02) == 4 and best_k(0.5, 1, 0.02, 0.66) == 0  # 1.5 tokens for 1.68 steps
+    assert best_k(0.8, 6, 0.02, 0.66) >= 4  # 3.4+ tokens for 1.74 steps
+    assert expected_gain(0.3, 2, 0.02, 0.66) < 1.0 < expected_gain(0.3, 2, 0.02)
+
+
+def test_estimate_counts_tested_proposals_and_probes() -> None:
+    switch = AcceptanceSwitch(0.12)
+    assert switch.k_for(7, 4) == 4  # optimistic start
+    switch.observe(7, 4, 4)
+    assert switch.alpha(7) == 1.0
+    for _ in range(12):  # always wrong: one tested token each, the rest untested
+        switch.observe(7, 4, 0)
+    assert switch.alpha(7) < 0.05
+    ks = [switch.k_for(7, 4) for _ in range(7 * PROBE_EVERY)]  # refused probes: each waits twice as long
+    assert [i + 1 for i, k in enumerate(ks) if k] == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    assert set(ks) == {0, 1}
+    switch.observe(7, 1, 1)  # an accepted probe: back on
+    assert switch.k_for(7, 4) >= 1
+    switch.retain({8})
+    assert switch.alpha(7) == 1.0

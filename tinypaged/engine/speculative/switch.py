@@ -1,0 +1,104 @@
+"""The acceptance-driven switch: per sequence, how many tokens to propose in a step (down to none) from its recent
+acceptance and the cost of verifying them, so that speculation is never expected to be slower than decoding one
+token a step. It only changes what is proposed: verification, and so the output, is untouched.
+
+Model (Leviathan et al.): each proposal is accepted with probability alpha, so k proposals emit
+E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens in one step, which costs 1 + s + c k one-row decode steps:
+s what a verification step costs beyond a decode step whatever its k (`VERIFY_STEP_COST`), c the cost of one
+more verified row (`VERIFY_ROW_COST`; both measured: docs/speculative.md) plus the proposer's cost of one token
+(0 for n-gram lookup and the oracle; a draft model's weight bytes over the target's, since a batch-1 decode reads
+every weight once). The switch proposes the k in 1..K with the best E / (1 + s + c k) when that beats 1, else
+none: the crossover is at alpha = s + c for k = 1.
+
+Alpha per sequence is estimated from the proposals that were tested: each accepted one a success, the first
+rejected one a failure, those after it untested (accepted / proposed would count them as failures); an exponential
+average over tested tokens (weight `WEIGHT`) that starts at 1, so a sequence's first proposal runs at full k.
+While a sequence proposes nothing it probes with one token after `PROBE_EVERY` decode steps, then after twice as
+many each time a probe is refused (up to `MAX_PROBE_EVERY`), so that text that turns copyable brings it back (one
+accepted probe lifts alpha from 0 to `WEIGHT`, above the CPU's crossover) while one that never does costs little.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+# One more verified row's cost, in one-row decode steps, at batch 1. CPU: the default model (f32, 2 cores) at a
+# quiet moment, 0.047 s a decode step against 0.075 s a 5-row verification; under load multi-row GEMMs stall and
+# cost up to 3x more (benchmarks/HISTORY.md, the crossover). CUDA: the H200 at batch 1 on the 8B shape (run 74),
+# a verification step 1.68, 1.69, 1.75 and 1.75 decode steps at k = 1, 2, 4 and 5: a fixed 0.66 (the step runs
+# outside the decode graphs, its host work not overlapped) and 0.02 a row.
+VERIFY_ROW_COST = {"cpu": 0.12, "cuda": 0.02}
+VERIFY_STEP_COST = {"cpu": 0.0, "cuda": 0.66}
+WEIGHT = 0.25
+PROBE_EVERY = 8
+MAX_PROBE_EVERY = 64
+
+
+def expected_gain(alpha: float, k: int, cost: float, step_cost: float = 0.0) -> float:
+    """Tokens a step with k proposals emits over its cost, in one-row decode steps (1 for k = 0)."""
+    if k == 0:
+        return 1.0
+    tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens / (1.0 + step_cost + cost * k)
+
+
+def best_k(alpha: float, max_k: int, cost: float, step_cost: float = 0.0) -> int:
+    """The k in 0..max_k with the best expected gain (0: proposing does not pay at this acceptance)."""
+    best, gain = 0, 1.0
+    for k in range(1, max_k + 1):
+        g = expected_gain(alpha, k, cost, step_cost)
+        if g > gain:
+            best, gain = k, g
+    return best
+
+
+class AcceptanceSwitch:
+    """Per sequence: its acceptance estimate and how many tokens it proposes next; see the module docstring."""
+
+    def __init__(self, cost: float, step_cost: float = 0.0) -> None:
+        self.cost = cost  # one more verified row plus one proposed token, in one-row decode steps
+        self.step_cost = step_cost  # a verification step's own cost beyond a decode step
+        self._alpha: dict[int, float] = {}
+        self._idle: dict[int, int] = {}  # decode steps proposing nothing since the last probe
+        self._every: dict[int, int] = {}  # steps between probes, doubled by each refused one
+
+    def alpha(self, seq_id: int) -> float:
+        """The sequence's acceptance estimate (1 before any proposal was tested)."""
+        return self._alpha.get(seq_id, 1.0)
+
+    def k_for(self, seq_id: int, room: int) -> int:
+        """How many tokens (at most `room`) the sequence proposes this step: 0 while it does not pay, but one
+        every PROBE_EVERY steps."""
+        k = best_k(self.alpha(seq_id), room, self.cost, self.step_cost)
+        if k or room <= 0:
+            self._idle.pop(seq_id, None)
+            return k
+        idle = self._idle.get(seq_id, 0) + 1
+        every = self._every.get(seq_id, PROBE_EVERY)
+        if idle < every:
+            self._idle[seq_id] = idle
+            return 0
+        # A probe; the next waits twice as long unless one is accepted (observe), so probing a sequence that
+        # keeps refusing them costs at most a verified row every MAX_PROBE_EVERY steps.
+        self._idle[seq_id] = 0
+        self._every[seq_id] = min(2 * every, MAX_PROBE_EVERY)
+        return 1
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """A verification: `proposed` tokens, the first `accepted` of them accepted."""
+        if not proposed:
+            return
+        if accepted:
+            self._every.pop(seq_id, None)
+        a = self.alpha(seq_id)
+        for _ in range(accepted):
+            a += WEIGHT * (1.0 - a)
+        if accepted < proposed:
+            a -= WEIGHT * a
+        self._alpha[seq_id] = a
+
+    def retain(self, seq_ids: Collection[int]) -> None:
+        """Forget every sequence not in `seq_ids` (ended, or preempted by recompute)."""
+        for d in (self._alpha, self._idle, self._every):
+            for seq_id in [s for s in d if s not in seq_ids]:
+                del d[seq_id]
