@@ -71,13 +71,31 @@ def ref_rms_norm(
     return out if residual is None else (out, residual)
 
 
+def _cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, memo: dict | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, 1, D / 2]` of the positions' rotations, looked up once a step per cache (`memo`)."""
+    key = ("rope", id(cos_sin_cache))
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+        got = cos[:, None, :], sin[:, None, :]
+        if memo is not None:
+            memo[key] = got
+    return got
+
+
 def ref_rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    memo: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q `[T, Hq, D]` and k `[T, Hkv, D]`; cos_sin_cache is `[max_pos, D]` fp32
-    holding cos in its first half and sin in its second."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    holding cos in its first half and sin in its second. `memo` (a step's, `AttentionMetadata.memo`) keeps what
+    every layer of the step would otherwise derive again from the same positions, slots and block tables."""
+    cos, sin = _cos_sin(positions, cos_sin_cache, memo)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -114,15 +132,24 @@ def ref_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    memo: dict | None = None,
 ) -> None:
     """Write key/value `[T, Hkv, D]` into the cache at `slot_mapping` `[T]`; negative slots are skipped. An FP8
-    cache stores `fp8(key / k_scale)` and `fp8(value / v_scale)`."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    cache stores `fp8(key / k_scale)` and `fp8(value / v_scale)`. `memo`: see `ref_rotary_embedding`."""
+    got = memo.get("write") if memo is not None else None
+    if got is None:
+        keep = slot_mapping >= 0
+        every = bool(keep.all())  # then no row is skipped: no masked copies of the keys and values
+        got = (None, slot_mapping.long()) if every else (keep, slot_mapping[keep].long())
+        if memo is not None:
+            memo["write"] = got
+    keep, slots = got
+    if keep is not None:
+        key, value = key[keep], value[keep]
     flat = _bytes(kv_layer).flatten(1, 2)  # [2, num_blocks * block_size, Hkv, D], a view
     # index_copy_/index_select copy whole rows: several times faster on the CPU than advanced indexing.
-    flat[0].index_copy_(0, slots, _as_stored(key[keep], kv_layer, k_scale))
-    flat[1].index_copy_(0, slots, _as_stored(value[keep], kv_layer, v_scale))
+    flat[0].index_copy_(0, slots, _as_stored(key, kv_layer, k_scale))
+    flat[1].index_copy_(0, slots, _as_stored(value, kv_layer, v_scale))
 
 
 def ref_rotary_write_kv(
@@ -135,12 +162,37 @@ def ref_rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """q and k rotated (`ref_rotary_embedding`), the rotated k and v written at `slot_mapping` (`ref_write_kv`);
     returns the rotated q."""
-    q, k = ref_rotary_embedding(positions, q, k, cos_sin_cache)
-    ref_write_kv(k, v, kv_layer, slot_mapping, k_scale, v_scale)
+    q, k = ref_rotary_embedding(positions, q, k, cos_sin_cache, memo)
+    ref_write_kv(k, v, kv_layer, slot_mapping, k_scale, v_scale, memo)
     return q
+
+
+def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The cache rows `[B, length]` of positions [0, length) of the sequences whose block tables are given."""
+    pos = torch.arange(length, device=block_table.device)
+    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
+    # Padding entries of a block table (past a sequence's length, masked by the caller) may be negative.
+    return slots.clamp_(min=0)
+
+
+def _gather(
+    kv_layer: torch.Tensor, slots: torch.Tensor, k_scale: float, v_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[*slots.shape, Hkv, D]` of the cache rows `slots` (an FP8 cache's dequantized)."""
+    flat = _bytes(kv_layer).flatten(1, 2)
+    idx = slots.flatten()
+    shape = (*slots.shape, *flat.shape[2:])
+    k, v = flat[0].index_select(0, idx).view(shape), flat[1].index_select(0, idx).view(shape)
+    if not _is_fp8(kv_layer):
+        return k, v
+    from tinypaged.model.quant.e4m3 import dequantize
+
+    fp8 = kv_layer.dtype
+    return dequantize(k.view(fp8), torch.tensor(k_scale)), dequantize(v.view(fp8), torch.tensor(v_scale))
 
 
 def gather_context(
@@ -152,20 +204,60 @@ def gather_context(
 ) -> tuple[torch.Tensor, ...]:
     """Keys and values of positions [0, length) of the sequences whose block tables are given: `[B, L, Hkv, D]`
     (an FP8 cache's dequantized with its scales, in float32)."""
-    block_size = kv_layer.shape[2]
-    pos = torch.arange(length, device=kv_layer.device)
-    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
-    # Padding entries of a block table (past a sequence's length, masked by the caller) may be negative.
-    idx = slots.clamp_(min=0).flatten()
-    flat = _bytes(kv_layer).flatten(1, 2)
-    shape = (*slots.shape, *flat.shape[2:])
-    k, v = flat[0].index_select(0, idx).view(shape), flat[1].index_select(0, idx).view(shape)
-    if not _is_fp8(kv_layer):
-        return k, v
-    from tinypaged.model.quant.e4m3 import dequantize
+    return _gather(kv_layer, _context_slots(block_table, length, kv_layer.shape[2]), k_scale, v_scale)
 
-    fp8 = kv_layer.dtype
-    return dequantize(k.view(fp8), torch.tensor(k_scale)), dequantize(v.view(fp8), torch.tensor(v_scale))
+
+class _AttnPart(NamedTuple):
+    """One attention call of `ref_paged_attention`: the single-token queries at `rows`, or (rows None) one
+    sequence's `count` new tokens from `start`; `whole` when it takes every query of the batch, in order; the
+    cache rows of the context `[B, L]`; the mask (`[B, 1, 1, L]` for single-token queries, else `[count, L]`)."""
+
+    rows: torch.Tensor | None
+    start: int
+    count: int
+    whole: bool
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def _attention_plan(
+    block_size: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    window: int | None,
+) -> list[_AttnPart]:
+    """The calls of `ref_paged_attention` for a batch: one for all its single-token queries (a padded context and a
+    length mask), one per sequence with several new tokens (a causal mask). The same for every layer of a step."""
+    parts = []
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    dev = block_tables.device
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, device=dev)
+        max_len = max(lens[i] for i in decode)
+        kpos = torch.arange(max_len, device=dev)[None, :]
+        mask = kpos < seq_lens[idx][:, None]
+        if window is not None:
+            mask &= kpos >= seq_lens[idx][:, None] - window
+        whole = len(decode) == len(q_lens)
+        slots = _context_slots(block_tables[idx], max_len, block_size)
+        rows = query_start_loc[idx].long()
+        parts.append(_AttnPart(rows, 0, len(decode), whole, slots, mask[:, None, None, :]))
+    for i, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        length = lens[i]
+        qpos = torch.arange(length - n, length, device=dev)
+        kpos = torch.arange(length, device=dev)[None, :]
+        mask = kpos <= qpos[:, None]
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
+        slots = _context_slots(block_tables[i : i + 1], length, block_size)
+        parts.append(_AttnPart(None, starts[i], n, len(q_lens) == 1, slots, mask))
+    return parts
 
 
 def ref_paged_attention(
@@ -178,6 +270,7 @@ def ref_paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of a ragged batch over their sequences' paged KV cache.
 
@@ -187,51 +280,39 @@ def ref_paged_attention(
     `block_tables` `[B, max_blocks]` (int32, padded). Returns `[T, Hq, D]`. An FP8 cache is read dequantized
     (`gather_context`). With a `window`, the token at position p sees only positions (p - window, p]: the block
     table's entries below a sequence's first visible position are never used (their blocks may have been freed).
+    The calls it makes (`_attention_plan`) are derived once a step when `memo` is given (`ref_rotary_embedding`).
     """
-    scales = (k_scale, v_scale)
-    out = torch.empty_like(q)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    lens = seq_lens.tolist()
-    starts = query_start_loc.tolist()
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:  # one batched call for all single-token queries: a padded context and a length mask
-        idx = torch.tensor(decode, device=q.device)
-        max_len = max(lens[i] for i in decode)
-        k, v = gather_context(kv_layer, block_tables[idx], max_len, *scales)
-        rows = query_start_loc[idx].long()
-        kpos = torch.arange(max_len, device=q.device)[None, :]
-        mask = kpos < seq_lens[idx][:, None]
-        if window is not None:
-            mask &= kpos >= seq_lens[idx][:, None] - window
+    key = ("attn", window)
+    parts = memo.get(key) if memo is not None else None
+    if parts is None:
+        parts = _attention_plan(kv_layer.shape[2], block_tables, seq_lens, query_start_loc, window)
+        if memo is not None:
+            memo[key] = parts
+    out = None
+    for part in parts:
+        k, v = _gather(kv_layer, part.slots, k_scale, v_scale)
+        if part.rows is not None:  # single-token queries, [B, Hq, 1, D]
+            qs = (q if part.whole else q[part.rows])[:, :, None, :]
+        else:  # one sequence's new tokens, [1, Hq, n, D]
+            qs = q[part.start : part.start + part.count].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
-            q[rows][:, :, None, :].float(),  # [B, Hq, 1, D]
+            qs.float(),
             k.transpose(1, 2).float(),
             v.transpose(1, 2).float(),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=part.mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[rows] = o[:, :, 0, :].to(q.dtype)
-    for i, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        length = lens[i]
-        k, v = gather_context(kv_layer, block_tables[i : i + 1], length, *scales)
-        qpos = torch.arange(length - n, length, device=q.device)
-        kpos = torch.arange(length, device=q.device)[None, :]
-        mask = kpos <= qpos[:, None]
-        if window is not None:
-            mask &= kpos > qpos[:, None] - window
-        o = F.scaled_dot_product_attention(
-            q[starts[i] : starts[i] + n].transpose(0, 1)[None].float(),  # [1, Hq, n, D]
-            k.transpose(1, 2).float(),
-            v.transpose(1, 2).float(),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[starts[i] : starts[i] + n] = o[0].transpose(0, 1).to(q.dtype)
-    return out
+        o = (o[:, :, 0, :] if part.rows is not None else o[0].transpose(0, 1)).to(q.dtype)
+        if part.whole:
+            return o
+        if out is None:
+            out = torch.empty_like(q)
+        if part.rows is not None:
+            out[part.rows] = o
+        else:
+            out[part.start : part.start + part.count] = o
+    return out if out is not None else torch.empty_like(q)
 
 
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -414,15 +495,17 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of q (returned) and k, with the rotated keys and the values written into their slots
-    (`ref_rotary_embedding`, then `ref_write_kv`): the attention reads the new keys from the cache."""
+    (`ref_rotary_embedding`, then `ref_write_kv`): the attention reads the new keys from the cache. `memo`: the
+    step's (`AttentionMetadata.memo`), for the torch reference."""
     args = (positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping, k_scale, v_scale)
     if uses_triton(q):
         from tinypaged.kernels import rotary_write_kv as kernel
 
         return kernel(*args)
-    return ref_rotary_write_kv(*args)
+    return ref_rotary_write_kv(*args, memo=memo)
 
 
 def write_kv(
@@ -455,9 +538,10 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`), within a
-    sliding `window` where the layer has one.
+    sliding `window` where the layer has one. `memo`: the step's (`AttentionMetadata.memo`), for the reference.
 
     `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
@@ -482,7 +566,7 @@ def paged_attention(
             window=window,
         )
     args = (q, kv_layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window)
-    return ref_paged_attention(*args)
+    return ref_paged_attention(*args, memo=memo)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ interleaved with global ones, each kind with its own rotary base, norms around b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     # [B] int32, the sequences longest first: the order decode attention takes them in (speed only).
     decode_order: torch.Tensor | None = None
+    # What the torch reference ops derive from these once a step and every layer reuses (ops.ref_paged_attention).
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def rope_cos_sin_cache(
@@ -141,7 +143,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        q = ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping, **scales)
+        q = ops.rotary_write_kv(
+            positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping, **scales, memo=meta.memo
+        )
         out = ops.paged_attention(
             q,
             kv_layer,
@@ -153,6 +157,7 @@ class Attention(nn.Module):
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
             window=self.window,
+            memo=meta.memo,
             **scales,
         )
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
