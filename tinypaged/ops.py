@@ -74,12 +74,13 @@ def ref_rms_norm(
 def _cos_sin(
     positions: torch.Tensor, cos_sin_cache: torch.Tensor, memo: dict | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[T, 1, D / 2]` of the positions' rotations, looked up once a step per cache (`memo`)."""
+    """The positions' cos and signed sin `[T, 1, D]` (cos twice; -sin then sin), looked up once a step per cache
+    (`memo`): a rotation is then `x * cos + swap_halves(x) * sin`."""
     key = ("rope", id(cos_sin_cache))
     got = memo.get(key) if memo is not None else None
     if got is None:
         cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-        got = cos[:, None, :], sin[:, None, :]
+        got = torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
         if memo is not None:
             memo[key] = got
     return got
@@ -93,13 +94,15 @@ def ref_rotary_embedding(
     memo: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of q `[T, Hq, D]` and k `[T, Hkv, D]`; cos_sin_cache is `[max_pos, D]` fp32
-    holding cos in its first half and sin in its second. `memo` (a step's, `AttentionMetadata.memo`) keeps what
-    every layer of the step would otherwise derive again from the same positions, slots and block tables."""
+    holding cos in its first half and sin in its second: halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin).
+    `memo` (a step's, `AttentionMetadata.memo`) keeps what every layer of the step would otherwise derive again
+    from the same positions, slots and block tables."""
     cos, sin = _cos_sin(positions, cos_sin_cache, memo)
+    half = cos.shape[-1] // 2
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        xf = x.float()
+        return (xf * cos + xf.roll(half, -1) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
 
@@ -210,14 +213,15 @@ def gather_context(
 class _AttnPart(NamedTuple):
     """One attention call of `ref_paged_attention`: the single-token queries at `rows`, or (rows None) one
     sequence's `count` new tokens from `start`; `whole` when it takes every query of the batch, in order; the
-    cache rows of the context `[B, L]`; the mask (`[B, 1, 1, L]` for single-token queries, else `[count, L]`)."""
+    cache rows of the context `[B, L]`; the mask (`[B, 1, 1, L]` for single-token queries, None where it masks
+    nothing; `[count, L]` for a sequence's new tokens)."""
 
     rows: torch.Tensor | None
     start: int
     count: int
     whole: bool
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def _attention_plan(
@@ -245,7 +249,9 @@ def _attention_plan(
         whole = len(decode) == len(q_lens)
         slots = _context_slots(block_tables[idx], max_len, block_size)
         rows = query_start_loc[idx].long()
-        parts.append(_AttnPart(rows, 0, len(decode), whole, slots, mask[:, None, None, :]))
+        # No mask where it masks nothing (one sequence, no window): the same sums, without the mask's pass.
+        mask4 = None if bool(mask.all()) else mask[:, None, None, :]
+        parts.append(_AttnPart(rows, 0, len(decode), whole, slots, mask4))
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
