@@ -315,6 +315,9 @@ class IntLinearMethod(LinearMethod):
         )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = layer.cpu
+        if packed is not None and x.dim() == 2:  # the CPU's hot path: straight to torch's kernel
+            return cpu.packed_linear(x, packed, layer.bias)
         return lowbit.wint_linear(x, self.weight(layer), layer.bias)
 
     def __str__(self) -> str:
