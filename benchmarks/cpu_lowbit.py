@@ -15,11 +15,14 @@ OpenMP threads), `CMAKE_BUILD_PARALLEL_LEVEL=2`; it runs with `n_threads` = the 
   are cycled, as the model's 30 layers are, so they are read from memory, not cache.
 - `single`: the same 8 chat prompts (token ids from tinypaged's tokenizer, given as ids to both engines), greedy,
   64 new tokens each (EOS ignored), one request at a time: tokens/s = generated tokens / wall time including
-  prefill, tinypaged (GGUF served quantized, what `tinypaged serve` runs with no model) and llama.cpp.
+  prefill, tinypaged (GGUF served quantized, what `tinypaged serve` runs with no model) and llama.cpp,
+  interleaved prompt by prompt (`--rounds` passes, the order alternating), so that the shared machine's drift
+  falls on both alike.
 - `batched`: 32 requests of those prompts at once through tinypaged (64 tokens each): generated tokens / wall.
 - `memory`: the model's weights in memory (parameters; the engine's `weights_bytes`) against the f32 conversion.
-- `agreement`: greedy tokens over 24 tokens on 3 prompts not used elsewhere, the quantized engine against its
-  f32 conversion and against llama.cpp.
+- `agreement`: greedy tokens over 24 tokens on 3 prompts not used elsewhere (the target's count), and on those
+  with 30 more ("Tell me about ..."), the quantized engine against its f32 conversion, and llama.cpp against it
+  too: a steadier rate, and what llama.cpp's own arithmetic gives on the same file.
 
 Targets: one at a time >= 0.7x llama.cpp; 32 batched >= 3x llama.cpp one at a time; weights <= 25% of f32;
 agreement with f32 >= 2 of 3 prompts.
@@ -28,10 +31,12 @@ agreement with f32 >= 2 of 3 prompts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,38 @@ PROMPTS = [
     "What is the difference between a list and a tuple in Python?",
 ]
 HELD_OUT = ["Tell me about the history of the bicycle.", "Why is the sky blue?", "List some uses of copper."]
+TOPICS = [
+    "how bees make honey",
+    "the French revolution",
+    "black holes",
+    "how to bake bread",
+    "the rules of chess",
+    "photosynthesis",
+    "the stock market",
+    "volcanoes",
+    "the Roman empire",
+    "machine learning",
+    "how airplanes fly",
+    "the water cycle",
+    "coffee",
+    "the moon landing",
+    "earthquakes",
+    "the human heart",
+    "jazz music",
+    "climate change",
+    "the printing press",
+    "sleep",
+    "electric cars",
+    "the Great Wall of China",
+    "penguins",
+    "the internet",
+    "vitamins",
+    "Shakespeare",
+    "rainbows",
+    "glaciers",
+    "the Olympic games",
+    "tea",
+]
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 NEW_TOKENS = 64
 
@@ -132,13 +169,10 @@ def prompt_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def ours_single(llm: LLM, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+def ours_run(llm: LLM, p: list[int], new: int) -> list[int]:
+    """One greedy request of `new` tokens (EOS ignored), alone."""
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warm
-    outs, t = [], time.perf_counter()
-    for p in ids:
-        outs.append(list(llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids))
-    return sum(map(len, outs)) / (time.perf_counter() - t), outs
+    return list(llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids)
 
 
 def ours_batched(llm: LLM, ids: list[list[int]], n: int, new: int) -> float:
@@ -149,7 +183,9 @@ def ours_batched(llm: LLM, ids: list[list[int]], n: int, new: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def llama_cpp_single(path: Path, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]] | None:
+def llama_cpp_runner(path: Path) -> Callable[[list[int], int], list[int]] | None:
+    """llama.cpp on the GGUF (one request at a time, greedy, the cores torch uses), or None when
+    llama-cpp-python is not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -164,11 +200,27 @@ def llama_cpp_single(path: Path, ids: list[list[int]], new: int) -> tuple[float,
                 break
         return got
 
-    run(ids[0], 4)
-    outs, t = [], time.perf_counter()
-    for p in ids:
-        outs.append(run(p, new))
-    return sum(map(len, outs)) / (time.perf_counter() - t), outs
+    return run
+
+
+def single_interleaved(
+    runners: dict[str, Callable[[list[int], int], list[int]]], ids: list[list[int]], new: int, rounds: int
+) -> dict[str, float]:
+    """Tokens/s of each runner one request at a time, over the same prompts: each prompt goes to every runner in
+    turn (the order reversed every other prompt), `rounds` times, so that a shared machine's drift lands on all
+    of them alike. Each runner is warmed first."""
+    for run in runners.values():
+        run(ids[0], 4)
+    tokens = dict.fromkeys(runners, 0)
+    secs = dict.fromkeys(runners, 0.0)
+    names = list(runners)
+    for r in range(rounds):
+        for i, p in enumerate(ids):
+            for name in names if (i + r) % 2 == 0 else names[::-1]:
+                t = time.perf_counter()
+                tokens[name] += len(runners[name](p, new))
+                secs[name] += time.perf_counter() - t
+    return {name: tokens[name] / secs[name] for name in names}
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> int:
@@ -179,6 +231,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts, one at a time")
     args = ap.parse_args()
     res: dict[str, Any] = {
         "torch": torch.__version__,
@@ -196,30 +249,40 @@ def main() -> None:
     ids = prompt_ids(q, PROMPTS)
     held = prompt_ids(q, HELD_OUT)
     res["weights_bytes"] = q.engine.runner.stats.weights_bytes
-    res["ours_single_tps"], _ = ours_single(q, ids, NEW_TOKENS)
-    print(f"tinypaged one at a time: {res['ours_single_tps']:.1f} tokens/s", flush=True)
+    lc = llama_cpp_runner(gguf)
+    runners = {"ours": functools.partial(ours_run, q)}
+    if lc is not None:
+        runners["llama_cpp"] = lc
+    tps = single_interleaved(runners, ids, NEW_TOKENS, args.rounds)
+    res["ours_single_tps"] = tps["ours"]
+    if "llama_cpp" in tps:
+        res["llama_cpp_single_tps"] = tps["llama_cpp"]
+    print(f"one at a time, interleaved: {tps}", flush=True)
     res["ours_batched32_tps"] = ours_batched(q, ids, 32, NEW_TOKENS)
     print(f"tinypaged 32 batched: {res['ours_batched32_tps']:.1f} tokens/s", flush=True)
+    # Agreement: the 3 held-out prompts (the target), then those and TOPICS together for a steadier rate, of
+    # tinypaged and of llama.cpp against the f32 conversion.
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ours_held = [
-        list(o.outputs[0].token_ids) for o in q.generate([{"prompt_token_ids": p} for p in held], sp)
+    many = held + prompt_ids(q, [f"Tell me about {t}." for t in TOPICS])
+    ours_many = [
+        list(o.outputs[0].token_ids) for o in q.generate([{"prompt_token_ids": p} for p in many], sp)
     ]
     q.shutdown()
     del q
     f32 = LLM(seed=0)
     res["f32_weights_bytes"] = f32.engine.runner.stats.weights_bytes
-    f32_held = [
-        list(o.outputs[0].token_ids) for o in f32.generate([{"prompt_token_ids": p} for p in held], sp)
+    f32_many = [
+        list(o.outputs[0].token_ids) for o in f32.generate([{"prompt_token_ids": p} for p in many], sp)
     ]
-    res["agree_f32"] = _same(ours_held, f32_held)
     f32.shutdown()
     del f32
-    lc = llama_cpp_single(gguf, ids, NEW_TOKENS)
+    n = len(held)
+    res["agree_f32"] = _same(ours_many[:n], f32_many[:n])
+    res["agree_f32_many"] = [_same(ours_many, f32_many), len(many)]
     if lc is not None:
-        res["llama_cpp_single_tps"] = lc[0]
-        lc_held = llama_cpp_single(gguf, held, 24)
-        assert lc_held is not None
-        res["agree_llama_cpp"] = _same(ours_held, lc_held[1])
+        lc_many = [lc(p, 24) for p in many]
+        res["agree_llama_cpp"] = _same(ours_many[:n], lc_many[:n])
+        res["llama_cpp_agree_f32_many"] = [_same(lc_many, f32_many), len(many)]
     res["load_after"] = os.getloadavg()
     ref = res.get("llama_cpp_single_tps")
     rows = [
@@ -242,7 +305,13 @@ def main() -> None:
             f"{res['weights_bytes'] / res['f32_weights_bytes']:.1%} (<= 25%)",
         ),
         ("greedy = f32 (3 prompts, 24 tokens)", f"{res['agree_f32']} of 3", "", ">= 2 of 3"),
-        ("greedy = llama.cpp", f"{res.get('agree_llama_cpp', 'n/a')} of 3", "", "reported"),
+        (
+            "greedy = f32 (33 prompts, 24 tokens)",
+            "{} of {}".format(*res["agree_f32_many"]),
+            "{} of {}".format(*res["llama_cpp_agree_f32_many"]) if lc else "n/a",
+            "reported",
+        ),
+        ("greedy = llama.cpp (3 prompts)", f"{res.get('agree_llama_cpp', 'n/a')} of 3", "", "reported"),
     ]
     print(f"\nload {res['load_before']} -> {res['load_after']}")
     print(f"{'':38s} {'tinypaged':>12s} {'llama.cpp':>24s}  target")
