@@ -109,7 +109,22 @@ def ref_rotary_embedding(
         xf = x.float()
         return (xf * cos + xf.roll(half, -1) * sin).to(x.dtype)
 
+    both = _heads_together(q, k)
+    if both is not None:  # one rotation of both, split again (views)
+        qk = rotate(both)
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
     return rotate(q), rotate(k)
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q `[T, Hq, D]` and k `[T, Hkv, D]` as one view `[T, Hq + Hkv, D]` where k's heads follow q's in memory
+    (as slices of the fused qkv projection's rows), else None."""
+    t, hq, d = q.shape
+    if k.dtype != q.dtype or k.shape[0] != t or k.shape[2] != d or q.stride() != k.stride():
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d or k.data_ptr() != q.data_ptr() + hq * d * q.element_size():
+        return None
+    return q.as_strided((t, hq + k.shape[1], d), q.stride(), q.storage_offset())
 
 
 def _is_fp8(cache: torch.Tensor) -> bool:
