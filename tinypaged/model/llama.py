@@ -15,6 +15,7 @@ from torch import nn
 
 from tinypaged import ops
 from tinypaged.config import ModelConfig
+from tinypaged.model.module import Module
 from tinypaged.model.parallel import TPGroup
 from tinypaged.model.quant import Linear, cpu, fp8, linear_method
 from tinypaged.quantization import Quantization
@@ -62,7 +63,7 @@ def rope_cos_sin_cache(
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=torch.float32)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """RMSNorm with an optional fused residual add; with `fp8` set, its output comes quantized per token (for
     an FP8 layer that reads it: the quantization fused into the norm). `offset` (Gemma's norms scale by 1 + w):
     the loader adds 1 to the weight, kept in float32 so that 1 + w is not rounded to the model's dtype."""
@@ -91,7 +92,7 @@ def linear(
     return Linear(in_features, parts, bias, linear_method(quant.scheme(name) if quant else None), name)
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Grouped-query self-attention that writes its new K/V into the paged cache and reads its context there
     (the last `window` positions of it, where the layer has a sliding window).
 
@@ -163,7 +164,7 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """SwiGLU feed-forward (GELU-tanh gated for Gemma) with the gate and up projections fused; a rank holds its
     share of the inner columns, and down_proj's partial sums are added by one all-reduce. For an FP8 down_proj
     that reads its input per token, the SwiGLU quantizes its output."""
@@ -185,7 +186,7 @@ class MLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(fp8.silu_and_mul(h) if self.fp8 else ops.silu_and_mul(h)))
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Module):
     """The token embedding, its rows split over the ranks: a rank embeds the ids in its vocabulary range (zero
     rows for the others) and one all-reduce adds the ranks' rows."""
 
@@ -223,7 +224,7 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     """Pre-norm attention and MLP blocks; the residual add is fused into the next norm. Gemma ("sandwich")
     also normalises each block's output before it is added, and the MLP's input after. Layer `index`'s
     checkpoint name (`model.layers.3`) is how `quant` says its linear layers run."""
@@ -267,7 +268,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     """Token ids in, hidden states out; `compute_logits` projects the rows that are sampled. With a `tp` group
     of several ranks, this rank's share of it (see `parallel.py`); every rank runs the same forward pass. With
     `quant`, the linear layers run quantized as it says (the embedding and the LM head stay dense)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from tinypaged import ops
 from tinypaged.errors import ConfigError
+from tinypaged.model.module import Module
 from tinypaged.model.quant import cpu, fp8, lowbit
 from tinypaged.quantization import Fp8Scheme, IntScheme, Scheme
 
@@ -338,7 +339,7 @@ def linear_method(scheme: Scheme | None) -> LinearMethod:
     raise ConfigError(f"no linear method runs {scheme}")
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """`y = x W^T + b`, W stored as its method says; the output rows may be several fused parts (`parts`:
     their row counts, q/k/v or gate/up), each filled from its own checkpoint tensor. `name` is the layer's
     name for errors."""
