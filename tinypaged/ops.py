@@ -14,10 +14,11 @@ kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 
 ones under the interpreter), e.g. to check the kernels' numerics end to end on a GPU (the model runner then runs
 every step eagerly) or under the interpreter.
 
-One job, in about 500 lines: the op set, each op once as its torch reference (the specification the kernels are
+One job, in about 650 lines: the op set, each op once as its torch reference (the specification the kernels are
 tested against) and once as the facade's dispatch between that reference and its kernel; the model, the runner
 and the kernel tests all reach ops through this one module, so an op's definition and its dispatch are never
-two places apart. The kernels themselves are in kernels/, one a file.
+two places apart. The references keep what every layer of a step would derive again (`AttentionMetadata.memo`)
+beside them. The kernels themselves are in kernels/, one a file.
 """
 
 from __future__ import annotations
@@ -65,10 +66,8 @@ def ref_rms_norm(
     if residual is not None:
         x = x + residual
         residual = x
-    if (
-        x.dtype == torch.float32 and weight.dtype == torch.float32
-    ):  # torch's fused op: the same sums, one call
-        out = F.rms_norm(x, x.shape[-1:], weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        out = F.rms_norm(x, x.shape[-1:], weight, eps)  # torch's fused op: the same sums, one call
         return out if residual is None else (out, residual)
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -316,9 +315,10 @@ def ref_paged_attention(
             memo[key] = parts
     out = None
     for part in parts:
+        whole = part.whole and q.shape[0] == part.count  # no padding tokens past the sequences' own
         k, v = _gather(kv_layer, part.slots, k_scale, v_scale)
         if part.rows is not None:  # single-token queries, [B, Hq, 1, D]
-            qs = (q if part.whole else q[part.rows])[:, :, None, :]
+            qs = (q if whole else q[part.rows])[:, :, None, :]
         else:  # one sequence's new tokens, [1, Hq, n, D]
             qs = q[part.start : part.start + part.count].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
@@ -330,7 +330,7 @@ def ref_paged_attention(
             enable_gqa=True,
         )
         o = (o[:, :, 0, :] if part.rows is not None else o[0].transpose(0, 1)).to(q.dtype)
-        if part.whole:
+        if whole:
             return o
         if out is None:
             out = torch.empty_like(q)

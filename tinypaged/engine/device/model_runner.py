@@ -10,8 +10,9 @@ synchronisation of a step is the sampler's read of the sampled tokens. The stagi
 
 One job, past 450 lines: turning one SchedulerOutput into one forward pass over the caches it owns. Loading the
 model, allocating the caches, capturing and choosing the CUDA graphs and running a step all read the same
-shapes and buffers; the parts that stand alone are apart already: the staging of the inputs (`staging.py`)
-and an FP8 cache's dtype and scales (`kv_scales.py`).
+shapes and buffers; the parts that stand alone are apart already: the staging of the inputs (`staging.py`),
+an FP8 cache's dtype and scales (`kv_scales.py`) and a draft model's weights and share of the budget
+(`draft_weights.py`).
 """
 
 from __future__ import annotations

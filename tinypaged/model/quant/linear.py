@@ -216,7 +216,7 @@ class IntLinearMethod(LinearMethod):
             zeros = torch.empty(cols // group, out, dtype=torch.uint8)
             layer.zeros = keep_dtype(nn.Parameter(zeros, requires_grad=False))
         layer.mins = None
-        layer.cpu = None  # set by finish on the CPU
+        layer.cpu_packed = None  # set by pack_for_cpu (not `cpu`: that would hide nn.Module.cpu())
         if s.mins:
             layer.mins = keep_dtype(nn.Parameter(torch.empty(cols // group, out), requires_grad=False))
 
@@ -302,22 +302,29 @@ class IntLinearMethod(LinearMethod):
         ):
             return
         codes = lowbit.unpack(layer.qweight, s.bits)
-        layer.cpu = cpu.pack(codes, layer.scales, layer.zeros, layer.mins, s.bits, layer.group)
+        layer.cpu_packed = cpu.pack(codes, layer.scales, layer.zeros, layer.mins, s.bits, layer.group)
         for name in ("qweight", "scales", "zeros", "mins"):
             if getattr(layer, name) is not None:
                 setattr(layer, name, keep_dtype(nn.Parameter(getattr(layer, name)[:0], requires_grad=False)))
-        layer.packed_codes = nn.Parameter(layer.cpu.codes, requires_grad=False)  # counted as the weights
-        layer.packed_scales = nn.Parameter(layer.cpu.scales, requires_grad=False)
+        layer.packed_codes = nn.Parameter(layer.cpu_packed.codes, requires_grad=False)  # counted as weights
+        layer.packed_scales = nn.Parameter(layer.cpu_packed.scales, requires_grad=False)
 
     def weight(self, layer: Linear) -> lowbit.IntWeight:
         """The layer's weight as the kernels take it."""
         return lowbit.IntWeight(
-            layer.qweight, layer.scales, layer.zeros, self.scheme.bits, layer.group, layer.mins, layer.cpu
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            self.scheme.bits,
+            layer.group,
+            layer.mins,
+            layer.cpu_packed,
         )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        packed = layer.cpu
-        if packed is not None and x.dim() == 2:  # the CPU's hot path: straight to torch's kernel
+        packed = layer.cpu_packed
+        # The CPU's hot path: wint_linear's own packed branch, without building an IntWeight every call.
+        if packed is not None and x.dim() == 2:
             return cpu.packed_linear(x, packed, layer.bias)
         return lowbit.wint_linear(x, self.weight(layer), layer.bias)
 
