@@ -247,24 +247,34 @@ def sustained(runs: list[dict[str, Any]], bound: float | None, factor: float) ->
     return {"bound_s_per_token": bound, "max_rate": max(ok) if ok else None}
 
 
-def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
+def rate_sweep(
+    llm: LLM, args: argparse.Namespace, name: str, ref: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One workload shape over its rates on one engine: the all-at-once run first (its throughput sets the
-    rates when none are given), then each rate; the sustained rate under the bound."""
+    rates when none are given), then each rate; the sustained rate under the bound. With `ref` (another
+    policy's sweep of the same workload) the rates and the latency bound are that sweep's, so that policies
+    are compared at the same request rates under the same bound."""
     work = load_workload(args, name, args.num_requests, args.seed, llm)
-    saturated = serve(llm, work, math.inf, args.seed, f"{name}-inf")
-    rates = getattr(args, f"{name}_rates") or [
-        round(f * saturated["throughput_req_s"], 3) for f in RATE_FRACTIONS
-    ]
+    given = getattr(args, f"{name}_rates")
+    saturated = None
+    if not (args.skip_saturated and (ref is not None or given)):
+        saturated = serve(llm, work, math.inf, args.seed, f"{name}-inf")
+    bound = args.latency_bound
+    if ref is not None:
+        rates = [r["rate"] for r in ref["runs"]]
+        bound = ref["sustained"]["bound_s_per_token"]
+    else:
+        rates = given or [round(f * saturated["throughput_req_s"], 3) for f in RATE_FRACTIONS]
     runs = []
     for k, r in enumerate(sorted(rates)):
         runs.append(serve(llm, work, r, args.seed + k + 1, f"{name}-{k}"))
-        over = sustained(runs, args.latency_bound, args.bound_factor)["max_rate"] != r
+        over = sustained(runs, bound, args.bound_factor)["max_rate"] != r
         if args.stop_over_bound and over:  # the higher rates would only be further over it
             print(
                 f"  {name}: rate {r:.3g} is over the latency bound; the higher rates are skipped", flush=True
             )
             break
-    for r in [saturated, *runs]:
+    for r in [saturated, *runs] if saturated else runs:
         print(
             f"  {name} rate {r['rate']:>8.3g}: norm latency {1e3 * r['mean_norm_latency_s']:8.2f} ms/token, "
             f"{r['throughput_req_s']:.3g} req/s, batch {r.get('mean_batch_seqs', 0):.1f}, "
@@ -275,17 +285,22 @@ def rate_sweep(llm: LLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
         "workload": work.summary(),
         "saturated": saturated,
         "runs": runs,
-        "sustained": sustained(runs, args.latency_bound, args.bound_factor),
+        "sustained": sustained(runs, bound, args.bound_factor),
+        **({"rates_from": ref.get("policy", "reference")} if ref is not None else {}),
     }
 
 
-def run_rates(args: argparse.Namespace, policy: str) -> dict[str, Any]:
-    """Every workload's rate sweep under one policy, on one engine."""
+def run_rates(
+    args: argparse.Namespace, policy: str, refs: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Every workload's rate sweep under one policy, on one engine; `refs` (workload -> another policy's
+    sweep) fixes the rates and the bound where given."""
     llm = LLM(**engine_args(args, policy))
     out: dict[str, Any] = {}
     try:
         for name in args.workloads:
-            section(out, name, lambda n=name: rate_sweep(llm, args, n))
+            ref = (refs or {}).get(name)
+            section(out, name, lambda n=name, r=ref: rate_sweep(llm, args, n, r))
         return out
     finally:
         free_llm(llm)
@@ -396,7 +411,7 @@ def table(res: dict[str, Any]) -> str:
             rate = "none" if s["max_rate"] is None else f"{s['max_rate']:.3g}"
             lines.append(
                 f"{policy:<12} {name:<10} {rate:>15}   {1e3 * (s['bound_s_per_token'] or 0):>14.2f}   {pts}; "
-                + waste_text(sweep["saturated"])
+                + waste_text(sweep["saturated"] or max(sweep["runs"], key=lambda r: r["rate"]))
             )
     sharing = res.get("sharing", {})
     if sharing and "error" not in sharing:
@@ -458,6 +473,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="end a sweep at its first rate over the latency bound (rates in ascending order)",
     )
     ap.add_argument(
+        "--skip-saturated",
+        action="store_true",
+        help="leave out the all-at-once run where the rates are given (its peak waste: the highest rate's)",
+    )
+    ap.add_argument(
+        "--same-rates",
+        action="store_true",
+        help="every policy after the first runs at the first's rates, under its latency bound",
+    )
+    ap.add_argument(
+        "--rates-from",
+        default=None,
+        help="an earlier result file: every policy runs at its first policy's rates, under its bound",
+    )
+    ap.add_argument(
         "--widths", type=int, nargs="+", default=[2, 4, 6], help="parallel samples and beam widths"
     )
     ap.add_argument("--sharing-requests", type=int, default=40)
@@ -514,14 +544,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         make_model(args)
     res: dict[str, Any] = {"benchmark": "paper_eval", **header(args), "rates": {}}
     if "rates" in args.sections:
+        refs = reference_sweeps(args.rates_from) if args.rates_from else None
         for policy in args.policies:
             if not policy_supported(policy):
                 res["rates"][policy] = {"error": "kv_reservation is not an engine option yet"}
                 continue
             print(f"rates, policy {policy}", flush=True)
-            section(res["rates"], policy, lambda p=policy: run_rates(args, p), None)
+            section(res["rates"], policy, lambda p=policy, r=refs: run_rates(args, p, r), None)
             if args.json:
                 write_json(args.json, res)
+            if args.same_rates and refs is None:  # the first policy's sweeps set the later ones' rates
+                refs = {
+                    n: {**s, "policy": policy}
+                    for n, s in res["rates"][policy].items()
+                    if isinstance(s, dict) and "runs" in s
+                }
     if "sharing" in args.sections:
         print("sharing", flush=True)
         section(res, "sharing", lambda: run_sharing_section(args), args.json)
@@ -534,6 +571,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section(res, "kernels", lambda: run_kernels(args.model, args.block_sizes, args.seed), args.json)
     print(table(res))
     return res
+
+
+def reference_sweeps(path: str) -> dict[str, dict[str, Any]]:
+    """Each workload's sweep of the first policy in an earlier result file (`--rates-from`): its rates and
+    bound are the ones later policies run at."""
+    import json
+
+    with open(path) as f:
+        rates = json.load(f).get("rates", {})
+    for policy, by_name in rates.items():
+        sweeps = {n: s for n, s in by_name.items() if isinstance(s, dict) and "runs" in s}
+        if sweeps:
+            return {n: {**s, "policy": policy} for n, s in sweeps.items()}
+    raise SystemExit(f"--rates-from {path}: no policy's rate sweep in it")
 
 
 def make_model(args: argparse.Namespace) -> None:
