@@ -36,6 +36,10 @@ _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
 # Steps of this many rows go through the Triton GEMV: on the H200 it beats cuBLAS at one row (batch-1 decode)
 # and loses to it at two and four on most of the 8B layers (benchmarks/kernel_speed.py --sections gemv).
 _GEMV_ROWS = 1
+# The CPU's float32 matmul at a few rows against a large weight (`_sliced_on_cpu`): input rows in this range go
+# slice by slice of this many output rows.
+_CPU_SLICED_ROWS = (4, 12)
+_CPU_SLICE = 512
 
 
 def uses_triton(x: torch.Tensor) -> bool:
@@ -493,11 +497,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`x @ weight^T + bias` for x `[T, K]`: a one-row step (batch-1 decode: a matrix-vector product, bound by
     the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLASLt on a GPU, see
     `prefer_cublaslt`)."""
-    if 0 < x.shape[0] <= _GEMV_ROWS and uses_triton(x):
+    rows = x.shape[0]
+    if 0 < rows <= _GEMV_ROWS and uses_triton(x):
         from tinypaged.kernels import gemv
 
         return gemv(x, weight, bias)
+    if _CPU_SLICED_ROWS[0] <= rows <= _CPU_SLICED_ROWS[1] and _sliced_on_cpu(x, weight, bias):
+        out = x.new_empty(rows, weight.shape[0])
+        for w, o in zip(weight.split(_CPU_SLICE), out.split(_CPU_SLICE, dim=1), strict=True):
+            torch.matmul(x, w.t(), out=o)
+        return out
     return F.linear(x, weight, bias)
+
+
+def _sliced_on_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` takes a large row-major float32 weight (the LM head) on the CPU slice by slice of
+    `_CPU_SLICE` output rows: at 4-12 input rows torch's matmul repacks the whole weight first, and a slice's
+    repacking stays in cache (the 49,152 x 576 head: 5.1 against 7.1 ms at 5 rows, 6.0 against 10.6 at 8; 1-3
+    and 16 rows run faster whole; benchmarks/NOTES.md, "The CPU's matmuls at a few rows")."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and bias is None
+        and weight.shape[0] >= _CPU_SLICE * 8
+        and weight.is_contiguous()
+        and x.is_contiguous()
+    )
 
 
 def rotary_embedding(

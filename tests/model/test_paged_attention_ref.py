@@ -81,3 +81,16 @@ def test_copy_blocks_all_layers() -> None:
     assert torch.equal(cache[:, :, :3], before[:, :, :3])
     assert torch.equal(cache[:, :, 4], before[:, :, 4])
     assert F.mse_loss(cache, before) > 0
+
+
+def test_cpu_linear_in_slices_matches_whole() -> None:
+    """`ops.linear` on the CPU runs a large float32 weight (the LM head) at 4-12 rows in slices of output rows:
+    the same product as F.linear, to float32 rounding, at every row count around the range."""
+    torch.manual_seed(0)
+    w = torch.randn(8 * ops._CPU_SLICE + 7, 64)
+    for rows in (1, 3, 4, 5, 12, 13):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert ops._sliced_on_cpu(torch.randn(5, 64), w, None)
+    assert not ops._sliced_on_cpu(torch.randn(5, 64), w.t().contiguous().t(), None)  # a strided view: whole
+    assert not ops._sliced_on_cpu(torch.randn(5, 64), w[:1024], None)  # small: whole

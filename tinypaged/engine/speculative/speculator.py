@@ -27,7 +27,7 @@ from tinypaged.engine.request import Request
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.rejection import Verified
 from tinypaged.engine.speculative.proposers import NgramProposer, OracleProposer, Proposer
-from tinypaged.engine.speculative.switch import VERIFY_ROW_COST, VERIFY_STEP_COST, AcceptanceSwitch
+from tinypaged.engine.speculative.switch import AcceptanceSwitch, verify_costs
 from tinypaged.speculative import SpeculativeConfig
 
 
@@ -94,9 +94,7 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
         proposer = DraftModelProposer(config, spec, runner)
         token_cost = proposer.token_cost
     assert config.max_model_len is not None
-    row_cost = VERIFY_ROW_COST.get(runner.device.type, VERIFY_ROW_COST["cuda"])
-    step_cost = VERIFY_STEP_COST.get(runner.device.type, VERIFY_STEP_COST["cuda"])
-    switch = AcceptanceSwitch(row_cost + token_cost, step_cost)
+    switch = AcceptanceSwitch(verify_costs(runner.device.type, spec.num_speculative_tokens, token_cost))
     return Speculator(spec, proposer, config.max_model_len, switch)
 
 

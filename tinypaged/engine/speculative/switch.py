@@ -3,12 +3,17 @@ acceptance and the cost of verifying them, so that speculation is never expected
 token a step. It only changes what is proposed: verification, and so the output, is untouched.
 
 Model (Leviathan et al.): each proposal is accepted with probability alpha, so k proposals emit
-E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens in one step, which costs 1 + s + c k one-row decode steps:
-s what a verification step costs beyond a decode step whatever its k (`VERIFY_STEP_COST`), c the cost of one
-more verified row (`VERIFY_ROW_COST`; both measured: docs/speculative.md) plus the proposer's cost of one token
-(0 for n-gram lookup and the oracle; a draft model's weight bytes over the target's, since a batch-1 decode reads
-every weight once). The switch proposes the k in 1..K with the best E / (1 + s + c k) when that beats 1, else
-none: the crossover is at alpha = s + c for k = 1.
+E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens in one step, which costs C(k) one-row decode steps (C(0) = 1):
+the verification step of k + 1 rows, plus the proposer's cost of k tokens (0 for n-gram lookup and the oracle; a
+draft model's weight bytes over the target's, since a batch-1 decode reads every weight once). The switch
+proposes the k in 1..K with the best E / C(k) when that beats 1, else none.
+
+C(k) is measured per device (`verify_costs`). On the H200 it is a line, 1 + s + c k: s what a verification step
+costs beyond a decode step whatever its k (`VERIFY_STEP_COST`), c one more verified row (`VERIFY_ROW_COST`). On
+the CPU it is a step function, a table (`VERIFY_COSTS`): torch's float32 matmul reads the weights as a
+matrix-vector product up to 3 rows and repacks them from 4 on, so a verification of 2 or 3 rows costs about a
+decode step and one of 4 to 7 half as much again; with a line the switch chose k = 4 where k = 2 emits more per
+second at the acceptance of copied text (docs/speculative.md).
 
 Alpha per sequence is estimated from the proposals that were tested: each accepted one a success, the first
 rejected one a failure, those after it untested (accepted / proposed would count them as failures); an exponential
@@ -20,33 +25,57 @@ accepted probe lifts alpha from 0 to `WEIGHT`, above the CPU's crossover) while 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-# One more verified row's cost, in one-row decode steps, at batch 1. CPU: the default model (f32, 2 cores) at a
-# quiet moment, 0.047 s a decode step against 0.075 s a 5-row verification; under load multi-row GEMMs stall and
-# cost up to 3x more (benchmarks/HISTORY.md, the crossover). CUDA: the H200 at batch 1 on the 8B shape (run 74),
-# a verification step 1.68, 1.69, 1.75 and 1.75 decode steps at k = 1, 2, 4 and 5: a fixed 0.66 (the step runs
-# outside the decode graphs, its host work not overlapped) and 0.02 a row.
-VERIFY_ROW_COST = {"cpu": 0.12, "cuda": 0.02}
-VERIFY_STEP_COST = {"cpu": 0.0, "cuda": 0.66}
+# A verification step's cost beyond a decode step whatever its k, and one more verified row's cost, in one-row
+# decode steps at batch 1. CUDA: the H200 at batch 1 on the 8B shape (run 74), a verification step 1.68, 1.69,
+# 1.75 and 1.75 decode steps at k = 1, 2, 4 and 5: a fixed 0.66 (the step runs outside the decode graphs, its
+# host work not overlapped) and 0.02 a row.
+VERIFY_STEP_COST = {"cuda": 0.66}
+VERIFY_ROW_COST = {"cuda": 0.02}
+# Measured tables, C(k) for k = 0, 1, ...: the CPU's, the default model (f32, 2 cores, quiet) by the oracle at
+# alpha 0 with the switch off, the median step over two prompts against the median decode step (32.4 ms) on
+# 2026-12-03 (benchmarks/HISTORY.md, "Verification's cost by k on the CPU"). Past the table, the last step's
+# increment repeats.
+VERIFY_COSTS = {"cpu": (1.0, 1.06, 1.12, 1.54, 1.60, 1.63, 1.78)}
 WEIGHT = 0.25
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 64
 
 
-def expected_gain(alpha: float, k: int, cost: float, step_cost: float = 0.0) -> float:
-    """Tokens a step with k proposals emits over its cost, in one-row decode steps (1 for k = 0)."""
+def line_costs(max_k: int, row_cost: float, step_cost: float = 0.0) -> tuple[float, ...]:
+    """C(k) = 1 + step_cost + row_cost k for k = 1..max_k (C(0) = 1)."""
+    return (1.0, *(1.0 + step_cost + row_cost * k for k in range(1, max_k + 1)))
+
+
+def verify_costs(device_type: str, max_k: int, token_cost: float = 0.0) -> tuple[float, ...]:
+    """C(k) for k = 0..max_k on a device of this type (its measured table, else its line; an unknown type
+    takes CUDA's), the proposer's `token_cost` a proposed token added."""
+    table = VERIFY_COSTS.get(device_type)
+    if table is None:
+        step = VERIFY_STEP_COST.get(device_type, VERIFY_STEP_COST["cuda"])
+        costs = line_costs(max_k, VERIFY_ROW_COST.get(device_type, VERIFY_ROW_COST["cuda"]), step)
+    else:
+        slope = table[-1] - table[-2]
+        costs = tuple(
+            table[k] if k < len(table) else table[-1] + slope * (k - len(table) + 1) for k in range(max_k + 1)
+        )
+    return tuple(c + token_cost * k for k, c in enumerate(costs))
+
+
+def expected_gain(alpha: float, k: int, costs: Sequence[float]) -> float:
+    """Tokens a step with k proposals emits over its cost C(k), in one-row decode steps (1 for k = 0)."""
     if k == 0:
         return 1.0
     tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens / (1.0 + step_cost + cost * k)
+    return tokens / costs[k]
 
 
-def best_k(alpha: float, max_k: int, cost: float, step_cost: float = 0.0) -> int:
+def best_k(alpha: float, max_k: int, costs: Sequence[float]) -> int:
     """The k in 0..max_k with the best expected gain (0: proposing does not pay at this acceptance)."""
     best, gain = 0, 1.0
-    for k in range(1, max_k + 1):
-        g = expected_gain(alpha, k, cost, step_cost)
+    for k in range(1, min(max_k, len(costs) - 1) + 1):
+        g = expected_gain(alpha, k, costs)
         if g > gain:
             best, gain = k, g
     return best
@@ -55,9 +84,8 @@ def best_k(alpha: float, max_k: int, cost: float, step_cost: float = 0.0) -> int
 class AcceptanceSwitch:
     """Per sequence: its acceptance estimate and how many tokens it proposes next; see the module docstring."""
 
-    def __init__(self, cost: float, step_cost: float = 0.0) -> None:
-        self.cost = cost  # one more verified row plus one proposed token, in one-row decode steps
-        self.step_cost = step_cost  # a verification step's own cost beyond a decode step
+    def __init__(self, costs: Sequence[float]) -> None:
+        self.costs = tuple(costs)  # C(k) for k = 0..K: a verification of k proposals, proposing included
         self._alpha: dict[int, float] = {}
         self._idle: dict[int, int] = {}  # decode steps proposing nothing since the last probe
         self._every: dict[int, int] = {}  # steps between probes, doubled by each refused one
@@ -69,7 +97,7 @@ class AcceptanceSwitch:
     def k_for(self, seq_id: int, room: int) -> int:
         """How many tokens (at most `room`) the sequence proposes this step: 0 while it does not pay, but one
         every PROBE_EVERY steps."""
-        k = best_k(self.alpha(seq_id), room, self.cost, self.step_cost)
+        k = best_k(self.alpha(seq_id), room, self.costs)
         if k or room <= 0:
             self._idle.pop(seq_id, None)
             return k
