@@ -31,19 +31,39 @@ DPI = 100
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
-    """One result from several files: rate sweeps merged by policy and workload, other sections replaced."""
+    """One result from several files: rate sweeps merged by policy and workload (a later file's runs join an
+    earlier sweep's, replacing a run at the same rate, and the sustained rate is found again under the first
+    sweep's bound), other sections replaced. Give it the files of one model and one KV capacity."""
     out: dict[str, Any] = {"rates": {}}
     for path in paths:
         res = json.loads(path.read_text())
         for policy, by_name in res.get("rates", {}).items():
-            if "error" not in by_name:
-                out["rates"].setdefault(policy, {}).update(
-                    {n: s for n, s in by_name.items() if "error" not in s}
-                )
+            if "error" in by_name:
+                continue
+            for name, sweep in by_name.items():
+                if "error" in sweep:
+                    continue
+                have = out["rates"].setdefault(policy, {}).get(name)
+                out["rates"][policy][name] = sweep if have is None else join_sweeps(have, sweep)
         for key in ("sharing", "block_sizes", "kernels", "device"):
             if key in res and "error" not in res[key]:
                 out[key] = res[key]
     return out
+
+
+def join_sweeps(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Sweep `a` with `b`'s runs added (b's replaces a's at the same rate), its sustained rate found again under
+    a's bound (b's where a had none): the highest rate under the bound without errors."""
+    runs = {r["rate"]: r for r in a["runs"]}
+    runs.update({r["rate"]: r for r in b["runs"]})
+    ordered = [runs[r] for r in sorted(runs)]
+    bound = a["sustained"]["bound_s_per_token"] or b["sustained"]["bound_s_per_token"]
+    ok = [r["rate"] for r in ordered if r["mean_norm_latency_s"] <= bound and not r["num_errors"]]
+    return {
+        **a,
+        "runs": ordered,
+        "sustained": {"bound_s_per_token": bound, "max_rate": max(ok) if ok else None},
+    }
 
 
 def latency_vs_rate(res: dict[str, Any], out: Path) -> None:

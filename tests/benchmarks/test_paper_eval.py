@@ -84,3 +84,18 @@ def test_the_13b_shape_is_multi_head_with_ids_in_its_vocabulary() -> None:
         256 <= shape["bos_token_id"] < shape["vocab_size"]
         and 256 <= shape["eos_token_id"] < shape["vocab_size"]
     )
+
+
+def test_sweeps_join_across_files() -> None:
+    """A policy's runs from a later file join its sweep: a run at the same rate is replaced, and the sustained
+    rate is found again under the first sweep's bound."""
+
+    def run(rate: float, lat: float, errors: int = 0) -> dict:
+        return {"rate": rate, "mean_norm_latency_s": lat, "num_errors": errors}
+
+    a = {"runs": [run(3, 0.01), run(6, 0.03)], "sustained": {"bound_s_per_token": 0.02, "max_rate": 3}}
+    b = {"runs": [run(4, 0.015), run(5, 0.019, 1), run(6, 0.018)], "sustained": {"bound_s_per_token": None}}
+    j = paper_plots.join_sweeps(a, b)
+    assert [r["rate"] for r in j["runs"]] == [3, 4, 5, 6]
+    assert j["runs"][-1]["mean_norm_latency_s"] == 0.018  # the later file's run at 6
+    assert j["sustained"] == {"bound_s_per_token": 0.02, "max_rate": 6}  # 5 failed requests: not sustained
