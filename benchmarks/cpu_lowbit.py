@@ -6,7 +6,10 @@ kernels, one request at a time, 32 batched, weights in memory, greedy agreement;
 
 llama-cpp-python is built on the machine from PyPI's sdist with its defaults plus `CMAKE_ARGS="-DGGML_NATIVE=ON
 -DGGML_OPENMP=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"` (native: the machine's AVX2 / AVX-512;
-OpenMP threads), `CMAKE_BUILD_PARALLEL_LEVEL=2`; it runs with `n_threads` = the cores torch uses (2 here).
+OpenMP threads), `CMAKE_BUILD_PARALLEL_LEVEL=2`; it runs with `n_threads` = the cores torch uses (2 here). On a
+machine with AMX (an Intel Xeon here) the native build enables AMX_INT8 and crashed in its first decode on the
+VM: there, build with `-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF` instead (benchmarks/HISTORY.md).
 
 - `kernels`: each layer shape of the model (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, the LM
   head 49152x576) at 1 and 32 rows: f32 matmul, the dequantize-then-matmul reference (`ref_wint_linear`),
