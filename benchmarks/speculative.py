@@ -36,6 +36,10 @@ GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random t
 - **verification row cost**: the oracle at alpha 0 (every proposal wrong), k = 1 and 4, batch 1: one more verified
   row's cost in one-row steps, the acceptance switch's `VERIFY_ROW_COST["cuda"]` (an estimate until then).
   These GPU tables run with the switch off (a fixed k).
+- **step profile**: batch 1, k = 4, alpha 0.8, against the same request without speculation: the median of each
+  StepStats phase, of the forward pass's device time and of the wall time between steps, for decode and for
+  verification steps: whether a verification's extra cost (1.7x a decode step in run 74) is the device's
+  forward pass or host work that async scheduling overlaps in a decode step.
 """
 
 from __future__ import annotations
@@ -299,6 +303,48 @@ def gpu_tokens_per_s(llm: LLM, prompts: list[Any], max_tokens: int, speculate: b
     }
 
 
+STEP_FIELDS = ("schedule_s", "execute_s", "sample_s", "update_s", "wait_s", "total_s")
+
+
+def step_profile(llm: LLM, prompt: Any, max_tokens: int, speculate: bool) -> dict[str, Any]:
+    """One request's decode steps through `LLMEngine.step()`: the median of each StepStats phase (host seconds)
+    and of the forward pass's device time, and the median wall time between step calls, over the steps that
+    ran without a prefill chunk, split by whether the step verified proposals. Where a verification step's
+    extra cost lies: the device's forward pass, or host work a decode step overlaps (async scheduling)."""
+    engine, spec = llm.engine, llm.engine.speculator
+    spec.active = speculate
+    llm.reset_prefix_cache()
+    engine.runner.time_device = engine.runner.device.type == "cuda"
+    engine.add(
+        engine.process_inputs(f"profile-{speculate}-{time.monotonic_ns()}", prompt, greedy(max_tokens))
+    )
+    by_kind: dict[str, list[tuple[float, ...]]] = {"decode": [], "verify": []}
+    graphs: dict[str, set[int]] = {"decode": set(), "verify": set()}
+    last, steps = time.perf_counter(), 0
+    try:
+        while engine.has_unfinished_requests():
+            before = spec.totals.as_tuple()[1]
+            result = engine.step()
+            now = time.perf_counter()
+            st, steps = result.stats, steps + 1
+            kind = "verify" if spec.totals.as_tuple()[1] > before else "decode"
+            if steps > 2:  # past the prompt's step and the one that applies it
+                device = st.device_s[0] if st.device_s else float("nan")
+                by_kind[kind].append((*(getattr(st, f) for f in STEP_FIELDS), device, now - last))
+                graphs[kind].add(st.graph_num_tokens)
+            last = now
+    finally:
+        engine.runner.time_device = False
+    out: dict[str, Any] = {}
+    for kind, rows in by_kind.items():
+        if rows:
+            med = np.median(np.array(rows), axis=0)
+            names = (*STEP_FIELDS, "device_s", "wall_s")
+            out[kind] = {"steps": len(rows), **{n: float(v) for n, v in zip(names, med, strict=True)}}
+            out[kind]["mixed_graph_tokens"] = sorted(graphs[kind])  # 0: a decode graph or eager
+    return out
+
+
 def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     """The H200 part: the oracle's speedup by k and by batch, then the INT4 self-draft's by k."""
     rng = np.random.default_rng(0)
@@ -343,6 +389,13 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     res["verify_row_cost"] = cost
     print(f"one more verified row costs (k: one-row steps): {cost}", flush=True)
     proposer.alpha = args.alpha
+    # Where a verification step's cost goes, at batch 1 and k = 4: StepStats' phases and the device's time.
+    speculator.spec = replace(speculator.spec, num_speculative_tokens=4)
+    res["step_profile"] = {
+        "decode_only": step_profile(llm, prompts[0], args.gen_tokens, False),
+        "speculative": step_profile(llm, prompts[0], args.gen_tokens, True),
+    }
+    print(f"step profile (medians, seconds): {res['step_profile']}", flush=True)
     pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
     res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
     free_llm(llm)
