@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import subprocess
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_json
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.model.quant import cpu, lowbit
@@ -321,8 +321,7 @@ def main() -> None:
     for r in rows:
         print(f"{r[0]:38s} {r[1]:>12s} {r[2]:>24s}  {r[3]}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

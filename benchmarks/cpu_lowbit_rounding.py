@@ -18,12 +18,12 @@ ones, and 30 "Tell me about ..." ones.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_json
 from cpu_lowbit import HELD_OUT, PROMPTS, TOPICS, llama_cpp_runner, prompt_ids
 
 from tinypaged import LLM, SamplingParams
@@ -141,8 +141,7 @@ def main() -> None:
         if name not in ("prompts", "tokens"):
             print(f"  {name:34s} {n:3d} of {len(ids)}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -53,17 +53,14 @@ def merge(paths: list[Path]) -> dict[str, Any]:
 
 def join_sweeps(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Sweep `a` with `b`'s runs added (b's replaces a's at the same rate), its sustained rate found again under
-    a's bound (b's where a had none): the highest rate under the bound without errors."""
+    a's bound (b's where a had none), as paper_eval.py finds it."""
+    from paper_eval import sustained  # imports the engine: only when sweeps are joined
+
     runs = {r["rate"]: r for r in a["runs"]}
     runs.update({r["rate"]: r for r in b["runs"]})
     ordered = [runs[r] for r in sorted(runs)]
     bound = a["sustained"]["bound_s_per_token"] or b["sustained"]["bound_s_per_token"]
-    ok = [r["rate"] for r in ordered if r["mean_norm_latency_s"] <= bound and not r["num_errors"]]
-    return {
-        **a,
-        "runs": ordered,
-        "sustained": {"bound_s_per_token": bound, "max_rate": max(ok) if ok else None},
-    }
+    return {**a, "runs": ordered, "sustained": sustained(ordered, bound, 2.0)}
 
 
 def latency_vs_rate(res: dict[str, Any], out: Path) -> None:

@@ -308,8 +308,8 @@ STEP_FIELDS = ("schedule_s", "execute_s", "sample_s", "update_s", "wait_s", "tot
 
 def step_profile(llm: LLM, prompt: Any, max_tokens: int, speculate: bool) -> dict[str, Any]:
     """One request's decode steps through `LLMEngine.step()`: the median of each StepStats phase (host seconds)
-    and of the forward pass's device time, and the median wall time between step calls, over the steps that
-    ran without a prefill chunk, split by whether the step verified proposals. Where a verification step's
+    and of the forward pass's device time, and the median wall time between step calls, over the steps after
+    the prompt's (its own and the one that applies its token), split by whether the step verified proposals. Where a verification step's
     extra cost lies: the device's forward pass, or host work a decode step overlaps (async scheduling)."""
     engine, spec = llm.engine, llm.engine.speculator
     spec.active = speculate

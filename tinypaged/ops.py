@@ -513,7 +513,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _sliced_on_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` takes a large row-major float32 weight (the LM head) on the CPU slice by slice of
     `_CPU_SLICE` output rows: at 4-12 input rows torch's matmul repacks the whole weight first, and a slice's
-    repacking stays in cache (the 49,152 x 576 head: 5.1 against 7.1 ms at 5 rows, 6.0 against 10.6 at 8; 1-3
+    repacking stays in cache (the 49,152 x 576 head: 5.4 against 7.5 ms at 5 rows, 6.5 against 11.9 at 8; 1-3
     and 16 rows run faster whole; benchmarks/NOTES.md, "The CPU's matmuls at a few rows")."""
     return (
         x.device.type == "cpu"

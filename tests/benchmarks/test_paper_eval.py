@@ -91,7 +91,7 @@ def test_sweeps_join_across_files() -> None:
     rate is found again under the first sweep's bound."""
 
     def run(rate: float, lat: float, errors: int = 0) -> dict:
-        return {"rate": rate, "mean_norm_latency_s": lat, "num_errors": errors}
+        return {"rate": rate, "mean_norm_latency_s": lat, "num_errors": errors, "completed": 3 - errors}
 
     a = {"runs": [run(3, 0.01), run(6, 0.03)], "sustained": {"bound_s_per_token": 0.02, "max_rate": 3}}
     b = {"runs": [run(4, 0.015), run(5, 0.019, 1), run(6, 0.018)], "sustained": {"bound_s_per_token": None}}
