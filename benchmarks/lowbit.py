@@ -114,6 +114,14 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
                 x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
                 err = rel_err(lowbit.wint_linear(x, w), x.float() @ ref_w.T)
                 checks.append({"name": f"{name} {fmt} M={m} vs float32 reference", "err": err, "tol": 5e-3})
+            for m, dt in ((1, DT), (3, torch.float16), (16, torch.float16)):  # each path, fp16's PTX too
+                x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
+                want = x.float() @ ref_w.T
+                for path, fn in (("gemv", kernels.wint_gemv), ("gemm", kernels.wint_gemm)):
+                    if path == "gemv" and m > kernels.GEMV_MAX_ROWS:
+                        continue
+                    err = rel_err(fn(x, w), want)
+                    checks.append({"name": f"{name} {fmt} {path} {dt} M={m}", "err": err, "tol": 5e-3})
             del ref_w, got
         rows = ROWS if not args.quick else (1, 16, 64)
         for m in rows:
@@ -130,8 +138,7 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
                 paths = {}
                 if m <= kernels.GEMV_MAX_ROWS:
                     paths["gemv"] = lambda x=x, w=w: kernels.wint_gemv(x, w)
-                if m >= 4:
-                    paths["gemm"] = lambda x=x, w=w: kernels.wint_gemm(x, w)
+                paths["gemm"] = lambda x=x, w=w: kernels.wint_gemm(x, w)
                 if m >= 16:
                     paths["dequant_mm"] = lambda x=x, w=w: torch.nn.functional.linear(
                         x, kernels.wint_dequantize(w, DT)
@@ -142,9 +149,35 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
                     row[f"{fmt}_{path}_gbps"] = weight_bytes(w) / (us * 1e3)
             times.append(row)
             print(row, flush=True)
-        if not args.quick:  # the GEMV's tilings and K splits at one row
+        if not args.quick:  # the tensor-core kernel's tiles, warps, stages and K splits at 1 and 16 rows
+            for m in (1, 16):
+                x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
+                w = packed["int4-g128-zp"]
+                for block_n, warps, stages, split in itertools.product(
+                    (64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4)
+                ):
+                    if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256):
+                        continue
+                    if (k // 128) % split:
+                        continue
+                    cfg = (16, block_n, 128, split, warps, stages)
+                    try:
+                        us = 1e3 * bench(lambda c=cfg, x=x, w=w: kernels.wint_gemm(x, w, config=c), rep=30)
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
+                        us = float("nan")
+                        print(f"{name} tc {cfg}: {type(e).__name__}: {e}")
+                    default = cfg == kernels.gemm_config(m, n, k, 128)
+                    sweep.append(
+                        {
+                            "layer": name,
+                            "format": f"int4-g128-zp tc M={m}",
+                            "config": cfg,
+                            "us": us,
+                            "default": default,
+                        }
+                    )
             x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
-            for fmt in ("int4-g128-zp", "int8-g128-sym"):
+            for fmt in ("int8-g128-sym",):  # the GEMV's tilings and K splits at one row (INT8's one-row path)
                 w = packed[fmt]
                 for block_n, block_k, split in itertools.product(
                     (8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8)
@@ -301,7 +334,7 @@ def print_table(res: dict[str, Any]) -> None:
                 float("nan"),
             )
             print(
-                f"GEMV sweep {layer:8s} {fmt:14s} best {s['config']} {s['us']:.1f} us (default {default:.1f} us)"
+                f"sweep {layer:8s} {fmt:20s} best {s['config']} {s['us']:.1f} us (default {default:.1f} us)"
             )
     if res.get("linear"):
         fmts = list(FORMATS)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import num_sms
+from .fp8 import INTERPRET
 from .pdl import pdl_options, pdl_start
 
 
@@ -92,6 +93,89 @@ def _minus_zero(words, j: tl.constexpr, zero, BITS: tl.constexpr):
     integer-to-float conversion runs (a quarter-rate instruction): 2^23 + code - (2^23 + zero)."""
     bits = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
     return bits.to(tl.float32, bitcast=True) - (zero + 8388608.0)
+
+
+# Eight INT4 codes a word into half-precision pairs (Marlin's trick, written here for Triton): `prmt` puts the
+# low (then high) 16 bits of two neighbouring words side by side; each nibble j then lands in the low mantissa
+# bits of a magic half (bf16 128, fp16 1024: one unit a step there) with one `lop3` (and a shift), and one
+# packed fused multiply-add takes away the magic and the zero point: code - zero, exact. Two weights an
+# instruction where the float32 route (`_minus_zero`) spends four a weight.
+_INT4_ASM = """
+{
+.reg .b32 t0, t1, s, one;
+mov.b32 one, ONE;
+prmt.b32 t0, $8, $9, 0x5410;
+prmt.b32 t1, $8, $9, 0x7632;
+lop3.b32 s, t0, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $0, s, one, $10;
+shr.u32 s, t0, 4;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $1, s, one, $10;
+shr.u32 s, t0, 8;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $2, s, one, $10;
+shr.u32 s, t0, 12;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $3, s, one, $10;
+lop3.b32 s, t1, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $4, s, one, $10;
+shr.u32 s, t1, 4;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $5, s, one, $10;
+shr.u32 s, t1, 8;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $6, s, one, $10;
+shr.u32 s, t1, 12;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $7, s, one, $10;
+}
+"""
+INT4_BF16_ASM = tl.constexpr(
+    _INT4_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2")
+)
+INT4_FP16_ASM = tl.constexpr(
+    _INT4_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace("TY", "f16x2")
+)
+
+
+@triton.jit
+def _int4_halves(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
+    """The eight codes of each word `[BLOCK_N, W]` minus their row's zero point (float32 `[BLOCK_N, 1]`), as
+    eight `[BLOCK_N, W]` tensors in DT (bf16 or fp16; exact: small integers); tensor j holds code j, the weight
+    at column `word * 8 + j`. ASM: the inline PTX above (the device); else the same values through
+    `_minus_zero` (Triton's interpreter, which cannot run PTX)."""
+    if ASM and DT == tl.bfloat16:
+        neg = (tl.zeros(words.shape, tl.float32) - (zero + 128.0)).to(DT)
+        out = tl.inline_asm_elementwise(
+            INT4_BF16_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            [words, neg],
+            (tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    elif ASM:
+        neg = (tl.zeros(words.shape, tl.float32) - (zero + 1024.0)).to(DT)
+        out = tl.inline_asm_elementwise(
+            INT4_FP16_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            [words, neg],
+            (tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        out = (
+            _minus_zero(words, 0, zero, 4).to(DT),
+            _minus_zero(words, 1, zero, 4).to(DT),
+            _minus_zero(words, 2, zero, 4).to(DT),
+            _minus_zero(words, 3, zero, 4).to(DT),
+            _minus_zero(words, 4, zero, 4).to(DT),
+            _minus_zero(words, 5, zero, 4).to(DT),
+            _minus_zero(words, 6, zero, 4).to(DT),
+            _minus_zero(words, 7, zero, 4).to(DT),
+        )
+    return out
 
 
 @triton.jit
@@ -182,6 +266,7 @@ def _wint_kernel(
     DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     IEEE: tl.constexpr,
+    ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
@@ -219,10 +304,16 @@ def _wint_kernel(
             )
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
             step = tl.zeros(acc.shape, dtype=tl.float32)
-            for j in tl.static_range(PACK):
-                x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
-                w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
-                step = _dot_step(step, x, w, SWAP_AB, IEEE)
+            if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
+                ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
+                for j in tl.static_range(PACK):
+                    x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
+                    step = _dot_step(step, x, ws[j], SWAP_AB, IEEE)
+            else:
+                for j in tl.static_range(PACK):
+                    x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
+                    w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
+                    step = _dot_step(step, x, w, SWAP_AB, IEEE)
             acc += step * (s[:, None] if SWAP_AB else s[None, :])
         else:  # a narrow step (a small group): the codes unpacked into their columns' order
             q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
@@ -343,6 +434,20 @@ def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int
 # ---- launchers -----------------------------------------------------------------------------------------------
 
 
+def uses_asm(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether the tensor-core kernel turns INT4 codes into halves with inline PTX (`_int4_halves`): INT4 with
+    bf16 or fp16 activations on the device; Triton's interpreter, which cannot run PTX, takes the float32
+    route to the same values."""
+    return w.bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not INTERPRET
+
+
+def gemv_rows(x: torch.Tensor, w: IntWeight) -> int:
+    """The most rows a step sends to `wint_gemv`; from one more on, `wint_gemm`. INT4 under `uses_asm` takes
+    the tensor cores from one row (about 3 instructions a weight in SASS against the GEMV's 7); otherwise up
+    to GEMV_MAX_ROWS rows go to the GEMV."""
+    return 0 if uses_asm(x, w) else GEMV_MAX_ROWS
+
+
 def _check(x: torch.Tensor, w: IntWeight) -> tuple[int, int, int]:
     m, k = x.shape
     n = w.qweight.shape[0]
@@ -397,7 +502,7 @@ def _launch(
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), m * n if split > 1 else 0, n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **pdl_options(x),
+        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y if split == 1 else _finish(dst, bias, y)
 

@@ -289,13 +289,14 @@ def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) ->
 def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not), reduce and dequantize kernels compile
     for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the tensor-core
-    kernel runs bf16 wgmma."""
+    kernel runs bf16 wgmma (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX."""
     base = {
         "GROUP": 128,
         "BITS": bits,
         "HAS_ZERO": bits == 4,
         "HAS_BIAS": False,
         "BLOCK_K": 128,
+        "ASM": bits == 4,
         "USE_PDL": True,
     }
     gemv = _lowbit_compile(
@@ -314,6 +315,13 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
             base | {"BLOCK_M": block_m, "BLOCK_N": 64, "DOT": True, "SWAP_AB": swap, "IEEE": False},
         )
         assert "wgmma" in gemm.asm["ptx"]
+        if bits == 4:  # the codes become bf16 pairs by the inline PTX
+            assert "prmt.b32" in gemm.asm["ptx"] and "fma.rn.bf16x2" in gemm.asm["ptx"]
+    # two warps: the tensor cores through mma.sync (no wgmma, no shared-memory fence a code position)
+    gemm = _lowbit_compile(
+        "_wint_kernel", base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False}, 2
+    )
+    assert "mma.sync" in gemm.asm["ptx"] and "wgmma" not in gemm.asm["ptx"]
     _lowbit_compile("_reduce_kernel", {"HAS_BIAS": True, "BLOCK": 1024, "USE_PDL": True})
     _lowbit_compile(
         "_dequantize_kernel",

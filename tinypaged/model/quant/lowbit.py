@@ -163,7 +163,7 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
         x2 = x2.contiguous()
     from tinypaged.kernels import lowbit as kernels
 
-    if m <= GEMV_ROWS:
+    if m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
         y = kernels.wint_gemv(x2, w, bias)
     elif m <= GEMM_ROWS:
         y = kernels.wint_gemm(x2, w, bias)
