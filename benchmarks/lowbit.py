@@ -9,10 +9,12 @@ and batch-16 decode of INT4 g128 and INT8 side by side with bf16, in one run.
   INT8 g128 symmetric), first correctness: `lowbit.wint_linear` on bf16 rows (1, 3: the GEMV; 16, 64: the
   tensor-core kernel; 200: dequantize then matmul) against `ref_wint_linear` (float32 products of the same
   codes; relative error, bf16 output), and the dequantize kernel bit for bit against the reference rounded to
-  bf16. Then times (medians of `triton.testing.do_bench`, the L2 cleared before each call) at M = 1..256 rows
-  of bf16 `ops.linear`, the GEMV (up to 4 rows), the tensor-core kernel and dequantize + matmul (from 16
-  rows), with the weight bytes each reads per second; and at one row the GEMV's tilings (rows and columns a
-  step: 1-4 groups) and K splits swept.
+  bf16. Then times, as CUDA-graph replays with each launch on its own copy of the weight (past the L2; run 80
+  timed single Python launches, whose launch overhead, not the kernel, set most of its figures), at M = 1..256
+  rows: bf16 `ops.linear`, the GEMV (up to 4 rows), the tensor-core kernel and dequantize + matmul (from 16
+  rows), with the weight bytes each reads per second; the tensor-core kernel's tiles, warps, stages and K
+  splits at 1 and 16 rows, and the GEMV's tilings (rows and columns a step: 1-4 groups) and K splits at one row,
+  swept.
   These set `GEMV_ROWS` / `GEMM_ROWS` (model/quant/lowbit.py) and the configs (kernels/lowbit.py).
 - `--part decode`: engines bf16, int4 (`quantization="int4"`: groups of 128 with zero points) and int8
   (`"int8"`: groups of 128, symmetric), each loaded from the same random bf16 checkpoint (rounded at load, on
@@ -70,15 +72,6 @@ ENGINES: dict[str, dict[str, Any]] = {
 TARGETS = {("int4", "batch1"): 2.0, ("int8", "batch1"): 1.5, ("int4", "batch16"): 1.7}
 
 
-def bench(fn: Any, rep: int = 100) -> float:
-    """Median milliseconds of fn (warm-up first; L2 cleared before each timed call)."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=rep // 4, rep=rep, return_mode="median")
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -123,77 +116,97 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
                     err = rel_err(fn(x, w), want)
                     checks.append({"name": f"{name} {fmt} {path} {dt} M={m}", "err": err, "tol": 5e-3})
             del ref_w, got
+        # Timed as CUDA-graph replays (as the engine runs them; a Python launch costs more than these kernels
+        # take), each launch on its own copy of the weight, enough copies to pass the 50 MB L2.
+        bf16s = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(2 * n * k) - 1)]
+        ints = {
+            f: [w] + [clone(w) for _ in range(copies_for(weight_bytes(w)) - 1)] for f, w in packed.items()
+        }
         rows = ROWS if not args.quick else (1, 16, 64)
         for m in rows:
             x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
-            row: dict[str, Any] = {
-                "layer": name,
-                "n": n,
-                "k": k,
-                "m": m,
-                "bf16_us": 1e3 * bench(lambda x=x, w=w_bf16: ops.linear(x, w)),
-            }
+            us = graph_us(lambda i, x=x, bs=bf16s: ops.linear(x, bs[i]), len(bf16s))
+            row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, "bf16_us": us}
             row["bf16_gbps"] = 2 * n * k / (row["bf16_us"] * 1e3)
-            for fmt, w in packed.items():
+            for fmt, ws in ints.items():
                 paths = {}
                 if m <= kernels.GEMV_MAX_ROWS:
-                    paths["gemv"] = lambda x=x, w=w: kernels.wint_gemv(x, w)
-                paths["gemm"] = lambda x=x, w=w: kernels.wint_gemm(x, w)
+                    paths["gemv"] = lambda i, x=x, ws=ws: kernels.wint_gemv(x, ws[i])
+                paths["gemm"] = lambda i, x=x, ws=ws: kernels.wint_gemm(x, ws[i])
                 if m >= 16:
-                    paths["dequant_mm"] = lambda x=x, w=w: torch.nn.functional.linear(
-                        x, kernels.wint_dequantize(w, DT)
+                    paths["dequant_mm"] = lambda i, x=x, ws=ws: torch.nn.functional.linear(
+                        x, kernels.wint_dequantize(ws[i], DT)
                     )
                 for path, fn in paths.items():
-                    us = 1e3 * bench(fn)
+                    us = graph_us(fn, len(ws))
                     row[f"{fmt}_{path}_us"] = us
-                    row[f"{fmt}_{path}_gbps"] = weight_bytes(w) / (us * 1e3)
+                    row[f"{fmt}_{path}_gbps"] = weight_bytes(ws[0]) / (us * 1e3)
             times.append(row)
             print(row, flush=True)
-        if not args.quick:  # the tensor-core kernel's tiles, warps, stages and K splits at 1 and 16 rows
-            for m in (1, 16):
-                x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
-                w = packed["int4-g128-zp"]
-                for block_n, warps, stages, split in itertools.product(
-                    (64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4)
-                ):
-                    if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256):
-                        continue
-                    if (k // 128) % split:
-                        continue
-                    cfg = (16, block_n, 128, split, warps, stages)
-                    try:
-                        us = 1e3 * bench(lambda c=cfg, x=x, w=w: kernels.wint_gemm(x, w, config=c), rep=30)
-                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
-                        us = float("nan")
-                        print(f"{name} tc {cfg}: {type(e).__name__}: {e}")
-                    default = cfg == kernels.gemm_config(m, n, k, 128)
-                    sweep.append(
-                        {
-                            "layer": name,
-                            "format": f"int4-g128-zp tc M={m}",
-                            "config": cfg,
-                            "us": us,
-                            "default": default,
-                        }
-                    )
-            x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
-            for fmt in ("int8-g128-sym",):  # the GEMV's tilings and K splits at one row (INT8's one-row path)
-                w = packed[fmt]
-                for block_n, block_k, split in itertools.product(
-                    (8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8)
-                ):
-                    if not 2048 <= block_n * block_k <= 16384 or k % block_k or (k // block_k) % split:
-                        continue
-                    cfg = (block_n, block_k, split, 4)
-                    try:
-                        us = 1e3 * bench(lambda c=cfg, x=x, w=w: kernels.wint_gemv(x, w, config=c), rep=30)
-                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile
-                        us = float("nan")
-                        print(f"{name} {fmt} {cfg}: {type(e).__name__}: {e}")
-                    default = cfg == kernels.gemv_config(1, n, k, 128)
-                    sweep.append({"layer": name, "format": fmt, "config": cfg, "us": us, "default": default})
+        if not args.quick:
+            sweep_configs(name, n, k, ints, sweep, gen)
+        del bf16s, ints
         torch.cuda.empty_cache()
         write_json(args.json, res)
+
+
+def copies_for(nbytes: int, past: float = 256e6) -> int:
+    """Copies of a weight of `nbytes` that together pass `past` bytes (five times the H200's L2), at least 2."""
+    return max(2, math.ceil(past / nbytes))
+
+
+def clone(w: lowbit.IntWeight) -> lowbit.IntWeight:
+    return w._replace(
+        qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=None if w.zeros is None else w.zeros.clone()
+    )
+
+
+def graph_us(fn: Any, copies: int) -> float:
+    """fp8_gemm_sweep's timer: median microseconds of one `fn(i)` from replays of a graph of its launches."""
+    from fp8_gemm_sweep import graph_us as timer
+
+    return timer(fn, copies)
+
+
+def sweep_configs(
+    name: str,
+    n: int,
+    k: int,
+    ints: dict[str, list[lowbit.IntWeight]],
+    sweep: list[dict[str, Any]],
+    gen: torch.Generator,
+) -> None:
+    """Graph-timed: the tensor-core kernel's tiles, warps (two: mma.sync; four or eight: wgmma), stages and K
+    splits at 1 and 16 rows (INT4 with zero points), and the GEMV's tilings and K splits at one row (INT4 with
+    zero points, INT8)."""
+
+    def timed(fmt: str, label: str, cfg: tuple, fn: Any, default: bool) -> None:
+        try:
+            us = graph_us(fn, len(ints[fmt]))
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
+            us = float("nan")
+            print(f"{name} {label} {cfg}: {type(e).__name__}: {e}")
+        sweep.append({"layer": name, "format": label, "config": cfg, "us": us, "default": default})
+
+    ws = ints["int4-g128-zp"]
+    for m in (1, 16):
+        x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
+        for block_n, warps, stages, split in itertools.product(
+            (64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4)
+        ):
+            if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256) or (k // 128) % split:
+                continue
+            cfg = (16, block_n, 128, split, warps, stages)
+            fn = lambda i, c=cfg, x=x: kernels.wint_gemm(x, ws[i], config=c)  # noqa: E731
+            timed("int4-g128-zp", f"int4-g128-zp tc M={m}", cfg, fn, cfg == kernels.gemm_config(m, n, k, 128))
+    x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
+    for fmt in ("int4-g128-zp", "int8-g128-sym"):
+        for block_n, block_k, split in itertools.product((8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8)):
+            if not 2048 <= block_n * block_k <= 16384 or k % block_k or (k // block_k) % split:
+                continue
+            cfg = (block_n, block_k, split, 4)
+            fn = lambda i, c=cfg, x=x, f=fmt: kernels.wint_gemv(x, ints[f][i], config=c)  # noqa: E731
+            timed(fmt, f"{fmt} gemv M=1", cfg, fn, cfg == kernels.gemv_config(1, n, k, 128))
 
 
 # ---- decode ------------------------------------------------------------------------------------------------------

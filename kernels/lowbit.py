@@ -179,6 +179,23 @@ def _int4_halves(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _columns_by_code(x_rows, k0, row_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations of one K step `[BLOCK_M, BLOCK_K]`, one contiguous load, dealt into eight `[BLOCK_M,
+    BLOCK_K / 8]` tensors: tensor j holds columns `8 * word + j`, the columns INT4 code j of each word meets.
+    (Eight strided loads instead put a global load's latency before each of the step's eight dots.)"""
+    x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None], other=0.0)
+    x = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))  # column 8 * word + 4 * a + 2 * b + c
+    e, o = tl.split(x)  # c = 0, 1
+    e0, e1 = tl.split(e)  # b
+    o0, o1 = tl.split(o)
+    x0, x4 = tl.split(e0)  # a
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _gemv_step(
     x_rows, w_ptr, s_ptr, z_ptr, k0, cols, row_ok, col_ok, stride_w, stride_s,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -306,9 +323,9 @@ def _wint_kernel(
             step = tl.zeros(acc.shape, dtype=tl.float32)
             if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
                 ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
+                xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
                 for j in tl.static_range(PACK):
-                    x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
-                    step = _dot_step(step, x, ws[j], SWAP_AB, IEEE)
+                    step = _dot_step(step, xs[j], ws[j], SWAP_AB, IEEE)
             else:
                 for j in tl.static_range(PACK):
                     x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
