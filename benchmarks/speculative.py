@@ -52,6 +52,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 from common import free_llm, greedy, header, random_prompt, write_json
 
 from tinypaged import LLM, SamplingParams
@@ -309,8 +310,9 @@ STEP_FIELDS = ("schedule_s", "execute_s", "sample_s", "update_s", "wait_s", "tot
 def step_profile(llm: LLM, prompt: Any, max_tokens: int, speculate: bool) -> dict[str, Any]:
     """One request's decode steps through `LLMEngine.step()`: the median of each StepStats phase (host seconds)
     and of the forward pass's device time, and the median wall time between step calls, over the steps after
-    the prompt's (its own and the one that applies its token), split by whether the step verified proposals. Where a verification step's
-    extra cost lies: the device's forward pass, or host work a decode step overlaps (async scheduling)."""
+    the prompt's (its own and the one that applies its token), split by whether the step verified proposals.
+    Where a verification step's extra cost lies: the device's forward pass, or host work a decode step overlaps
+    (async scheduling)."""
     engine, spec = llm.engine, llm.engine.speculator
     spec.active = speculate
     llm.reset_prefix_cache()
@@ -343,6 +345,40 @@ def step_profile(llm: LLM, prompt: Any, max_tokens: int, speculate: bool) -> dic
             out[kind] = {"steps": len(rows), **{n: float(v) for n, v in zip(names, med, strict=True)}}
             out[kind]["mixed_graph_tokens"] = sorted(graphs[kind])  # 0: a decode graph or eager
     return out
+
+
+def kernel_profile(llm: LLM, prompt: Any, max_tokens: int, speculate: bool, top: int = 20) -> dict[str, Any]:
+    """One request under torch.profiler (CUDA activity: the kernels, those inside CUDA graphs included): each
+    kernel's device time and launches per engine step, the `top` longest, and the device time a step. Which
+    kernels make a verification step's forward pass longer than a decode step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, spec = llm.engine, llm.engine.speculator
+    spec.active = speculate
+    llm.reset_prefix_cache()
+    gpu_tokens_per_s(llm, [prompt], 8, speculate)  # the shapes compiled and captured before the profile
+    engine.add(engine.process_inputs(f"kprof-{speculate}-{time.monotonic_ns()}", prompt, greedy(max_tokens)))
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            t = totals.setdefault(ev.name, [0.0, 0])
+            t[0] += ev.device_time_total * 1e-6
+            t[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {
+        "steps": steps,
+        "device_s_per_step": sum(t for t, _ in totals.values()) / steps,
+        "top": [
+            {"name": name, "s_per_step": t / steps, "calls_per_step": n / steps}
+            for name, (t, n) in rows[:top]
+        ],
+    }
 
 
 def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -396,6 +432,14 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": step_profile(llm, prompts[0], args.gen_tokens, True),
     }
     print(f"step profile (medians, seconds): {res['step_profile']}", flush=True)
+    res["kernel_profile"] = {
+        "decode_only": kernel_profile(llm, prompts[0], args.gen_tokens, False),
+        "speculative": kernel_profile(llm, prompts[0], args.gen_tokens, True),
+    }
+    for kind, prof in res["kernel_profile"].items():
+        print(f"kernels a step, {kind} ({prof['steps']} steps, {1e3 * prof['device_s_per_step']:.3f} ms):")
+        for row in prof["top"]:
+            print(f"  {1e6 * row['s_per_step']:9.1f} us {row['calls_per_step']:6.1f}x {row['name'][:90]}")
     pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
     res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
     free_llm(llm)

@@ -413,33 +413,44 @@ def step_k(group: int, cap: int = 128) -> int:
     return min(cap, group & -group)
 
 
-def _split(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> int:
+def _split(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4, most: int = 4) -> int:
     """How many programs share K: enough that `tiles` output tiles times the splits give every multiprocessor
-    at least two programs, each keeping `min_steps` K steps; a power of two that divides K's steps evenly."""
+    at least two programs, each keeping `min_steps` K steps, at most `most`; a power of two that divides K's
+    steps evenly."""
     steps = k // block_k
     split = 1
-    while tiles * split < 2 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= min_steps:
+    while (
+        tiles * split < 2 * sms
+        and split < most
+        and steps % (split * 2) == 0
+        and steps // (split * 2) >= min_steps
+    ):
         split *= 2
     return split
 
 
 def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: steps of 512 columns where the group allows (whole
-    power-of-two groups that divide K), 8,192 weights a step on outputs wider than 4,096 and 4,096 on narrower
-    ones (more programs), K split only where the tiles leave multiprocessors idle. From the H200 sweep at one
-    row (run 72, benchmarks/NOTES.md): 1.2-1.9x faster than 32-row, one-group steps at the 8B shapes."""
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: 64 weight rows a program (at one row), one group
+    (up to 128 columns) a step, K split 8 ways where the tiles are fewer than two a multiprocessor and 4 ways
+    where they are more (each part at least two steps). From the graph-timed sweep at one row (run 81,
+    benchmarks/NOTES.md): the best tiling of INT4 and INT8 at the four 8B shapes but INT8's qkv (32 rows, 4
+    ways: 12.6 us against 13.3); run 72's defaults (512-column steps), set by Python-launch timings, were
+    1.1-2.0x slower."""
     block_m = triton.next_power_of_2(m)
     block_k = step_k(group)
-    if group & (group - 1) == 0:
-        block_k = next(b for b in (512, 256, 128, 64, 32) if b >= group and k % b == 0 or b == block_k)
-    block_n = max(4, (8192 if n > 4096 else 4096) // (block_k * block_m))
-    return block_n, block_k, _split(triton.cdiv(n, block_n), k, block_k, sms), 4
+    block_n = max(4, 64 // block_m)
+    tiles = triton.cdiv(n, block_n)
+    split, steps = 8 if tiles < 2 * sms else 4, k // block_k
+    while split > 1 and (steps % split or steps // split < 2):
+        split //= 2
+    return block_n, block_k, split, 4
 
 
 def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for `wint_gemm`: up to 32 rows a transposed
-    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split as in
-    `gemv_config`. First guesses, for the H200 sweep."""
+    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split in up to 4
+    (`_split`). Run 81's graph-timed sweep at 1 and 16 rows (INT4): the best tiling at qkv and gate_up; at o
+    and down 2 warps measured 3-6% better than these 4."""
     block_k = step_k(group)
     block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
     tiles_m = triton.cdiv(m, block_m)
@@ -459,10 +470,15 @@ def uses_asm(x: torch.Tensor, w: IntWeight) -> bool:
 
 
 def gemv_rows(x: torch.Tensor, w: IntWeight) -> int:
-    """The most rows a step sends to `wint_gemv`; from one more on, `wint_gemm`. INT4 under `uses_asm` takes
-    the tensor cores from one row (about 3 instructions a weight in SASS against the GEMV's 7); otherwise up
-    to GEMV_MAX_ROWS rows go to the GEMV."""
-    return 0 if uses_asm(x, w) else GEMV_MAX_ROWS
+    """The most rows a step sends to `wint_gemv`; from one more on, `wint_gemm` (tensor cores). On the device
+    (run 81, graph-timed at the 8B shapes): INT4 where the output is wider than the input (qkv, gate_up) takes
+    the tensor cores from one row (13.3 and 37.4 us against the GEMV's 13.5 and 43.3), elsewhere (o, down)
+    the GEMV at one row (10.0 and 26.5 against 12.0 and 33.0); INT8 the GEMV at one row (its tensor-core
+    route through float32 is the faster from two rows). Under Triton's interpreter: up to GEMV_MAX_ROWS."""
+    if not x.is_cuda or INTERPRET:
+        return GEMV_MAX_ROWS
+    n, k = w.qweight.shape[0], x.shape[1]
+    return 0 if uses_asm(x, w) and n > k else 1
 
 
 def _check(x: torch.Tensor, w: IntWeight) -> tuple[int, int, int]:

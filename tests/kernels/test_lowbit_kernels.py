@@ -102,11 +102,12 @@ def test_dispatch_by_rows_matches_the_reference() -> None:
 
 
 def test_configs_at_the_8b_shapes() -> None:
-    """The GEMV steps over four 128-wide groups, 16 rows a program on wide outputs and 8 on narrow ones (run 72's
-    sweep); no K split at these shapes (512 programs or more); a small output splits K."""
-    assert gemv_config(1, 4096, 14336, 128) == (8, 512, 1, 4)  # down_proj
-    assert gemv_config(1, 28672, 4096, 128) == (16, 512, 1, 4)  # gate_up
-    assert gemv_config(1, 6144, 4096, 128) == (16, 512, 1, 4)
-    assert gemv_config(1, 512, 4096, 128) == (8, 512, 2, 4)  # 64 tiles: K split in two
-    assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
+    """The GEMV: 64 rows a program, one group a step, K split 8 ways on narrow outputs and 4 on gate_up (run
+    81's sweep); the tensor-core kernel splits K at most 4 ways."""
+    assert gemv_config(1, 4096, 14336, 128) == (64, 128, 8, 4)  # down_proj
+    assert gemv_config(1, 28672, 4096, 128) == (64, 128, 4, 4)  # gate_up
+    assert gemv_config(1, 6144, 4096, 128) == (64, 128, 8, 4)
+    assert gemv_config(1, 512, 256, 128) == (64, 128, 1, 4)  # two steps: nothing to split
+    assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 4)
+    assert gemm_config(1, 28672, 4096, 128)[:4] == (16, 128, 128, 2)
     assert gemm_config(64, 28672, 4096, 128)[:4] == (64, 128, 128, 2)
