@@ -443,6 +443,8 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
     pays = [b for b in args.batches if rows[b]["by_k"][4]["speedup"] > 1.0]
     res["oracle_pays_up_to_batch"] = max(pays) if pays else 0
     free_llm(llm)
+    if args.skip_int4:
+        return res
     draft = {
         "method": "draft_model",
         "quantization": "int4",
@@ -535,7 +537,9 @@ def main() -> None:
     ap.add_argument("--copy-tokens", type=int, default=96)
     ap.add_argument("--random-tokens", type=int, default=64)
     ap.add_argument("--random-prompts", type=int, default=4)
-    ap.add_argument("--skip-int4", action="store_true")
+    ap.add_argument(
+        "--skip-int4", action="store_true", help="leave out the INT4 draft (CPU: acceptance; GPU: speed)"
+    )
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--skip-ngram", action="store_true", help="the crossover and INT4 parts only")
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3, 0.5, 0.8])

@@ -448,14 +448,15 @@ def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int
 
 def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for `wint_gemm`: up to 32 rows a transposed
-    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split in up to 4
-    (`_split`). Run 81's graph-timed sweep at 1 and 16 rows (INT4): the best tiling at qkv and gate_up; at o
-    and down 2 warps measured 3-6% better than these 4."""
+    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split in up to 8
+    (`_split`). Run 81's graph-timed sweep at 1 and 16 rows (INT4, splits 1-4): these tilings the best at qkv and
+    gate_up; at o and down (8 ways here) 4 ways with 2 warps measured best of those tried, yet capping the split
+    at 4 took batch-16 decode from 1.24x bf16 (run 81) to 1.08x (run 82)."""
     block_k = step_k(group)
     block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
     tiles_m = triton.cdiv(m, block_m)
     block_n = 128 if triton.cdiv(n, 128) * tiles_m >= sms else 64
-    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms)
+    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms, most=8)
     return block_m, block_n, block_k, split, 4, 3
 
 
