@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -64,7 +65,8 @@ def join_sweeps(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def latency_vs_rate(res: dict[str, Any], out: Path) -> None:
-    """Normalized latency against rate, a panel per workload."""
+    """Normalized latency against rate, a panel per workload; a log scale, so that a policy far over the
+    bound (orca-max) leaves the others' knees readable."""
     names = sorted({n for by_name in res["rates"].values() for n in by_name})
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
@@ -79,6 +81,9 @@ def latency_vs_rate(res: dict[str, Any], out: Path) -> None:
             if bound:
                 ax.axhline(1e3 * bound, ls="--", lw=0.8, color=line[0].get_color())
         ax.set(title=f"{name} shape", xlabel="request rate (req/s)", ylabel="normalized latency (ms/token)")
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "paper_latency_vs_rate.png", dpi=DPI)
