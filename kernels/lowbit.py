@@ -22,15 +22,24 @@ Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
   128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
   float32 partial sums, which `_reduce_kernel` adds (bias and cast there): deterministic, no atomics.
   Products and sums are float32: it matches the float32 reference up to the order and rounding of the sums.
-- `wint_gemm` (up to 64 rows): tiles through the tensor cores. The codes minus the zero point are small
-  integers, exact in bf16 and fp16, so each step's `tl.dot` of the activations against them (float32
-  accumulation) is exact up to float32 sums, and the group's scale multiplies the step's float32 result: the
-  only rounding beyond the reference's is the order of float32 sums. Up to 32 rows the tile is computed
-  transposed (weight rows on the tensor cores' 64-row side), as kernels/fp8_gemm.py does; K splits as above.
+- `wint_gemm` (from one row for INT4 where the output is wider than the input, else from two; up to 64 rows:
+  `gemv_rows` and model/quant/lowbit.py dispatch): tiles through the tensor cores. INT4 codes in bf16 or fp16
+  become half-precision pairs in inline PTX (`_int4_halves`: two weights a `prmt`/`lop3`/`fma` chain), the
+  activations of a step come in one load and are dealt into the eight code positions' columns. The codes
+  minus the zero point are small integers, exact in bf16 and fp16, so each step's `tl.dot` of the activations
+  against them (float32 accumulation) is exact up to float32 sums, and the group's scale multiplies the step's
+  float32 result: the only rounding beyond the reference's is the order of float32 sums. Up to 32 rows the
+  tile is computed transposed (weight rows on the tensor cores' 64-row side), as kernels/fp8_gemm.py does; K
+  splits as above.
 - Larger steps: `wint_dequantize` writes the weight in the activations' dtype (one rounding a weight) for
-  torch's matmul; the crossover is `GEMM_ROWS` in model/quant/lowbit.py, for the H200 sweep to set.
+  torch's matmul; the crossover is `GEMM_ROWS` in model/quant/lowbit.py (run 81: the kernel wins to 64 rows).
 
 Every launch allocates with torch.empty only and never reads a value back, so CUDA graphs capture it.
+
+One job, past 450 lines: the weight-only layer's kernels over one packed layout. The GEMV, the tensor-core
+kernel and the dequantize kernel share the layout's loads (`_codes`, `_group_params`, `_minus_zero`), one kernel
+body holds both matmul paths (they differ in a step's arithmetic only), and the launchers share `_check`,
+`_launch` and the configs; split apart, each would repeat the layout's decoding.
 """
 
 from __future__ import annotations

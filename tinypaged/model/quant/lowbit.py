@@ -28,9 +28,10 @@ import torch
 from tinypaged import ops
 from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 
-# Steps of up to GEMV_ROWS rows go through the Triton GEMV, up to GEMM_ROWS through the Triton tensor-core
-# kernel, larger ones dequantize the weight (one launch) and take torch's matmul. First guesses for the H200
-# sweep (benchmarks/lowbit.py); GEMM_ROWS is the knob between the kernel and dequantize-then-matmul.
+# Steps of up to GEMV_ROWS rows may go through the Triton GEMV (on the device, `kernels.lowbit.gemv_rows` narrows
+# that to the layers and row counts where it measured faster: one row, or none), up to GEMM_ROWS through the
+# Triton tensor-core kernel, larger ones dequantize the weight (one launch) and take torch's matmul. GEMM_ROWS
+# is the knob between the kernel and dequantize-then-matmul (run 81's graph-timed sweep: the kernel to 64 rows).
 GEMV_ROWS = 4
 GEMM_ROWS = 64
 
