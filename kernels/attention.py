@@ -2,12 +2,13 @@
 
 Each program owns one KV head and a tile of BLOCK_M rows; a row is (query token, query head) with the G query
 heads that share the KV head packed side by side (GQA packing), so each KV tile is read once for all of them.
-- Decode mode (sequences with one new token): program = (KV head, sequence x split); the sequence's KV tiles
-  are divided evenly among the splits, which write fp32 partials that `_reduce_kernel` combines
+- Decode mode (sequences with one new token, or up to `short_query_len`: a speculative verification's k + 1):
+  program = (KV head, sequence x split), its rows the sequence's new tokens x the G query heads; the sequence's
+  KV tiles are divided evenly among the splits, which write fp32 partials that `_reduce_kernel` combines
   (flash decoding). With a `seq_order` (the sequences longest first), the programs take the sequences in
   that order: the GPU starts programs in grid order, so on ragged contexts the long ones no longer run alone
   at the end of the launch (longest-processing-time-first scheduling).
-- Prefill mode (sequences with more than one new token): program = (query block, KV head); a query block
+- Prefill mode (the other sequences): program = (query block, KV head); a query block
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
@@ -157,7 +158,7 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr,
+    SHORT_Q: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     ORDERED: tl.constexpr,
     WINDOWED: tl.constexpr,
@@ -195,14 +196,13 @@ def _paged_attn_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if DECODE:
-        if q_len != 1:
+        if (q_len == 0) | (q_len > BLOCK_Q):  # no new token, or a prefill the other launch runs
             return
     else:
         if q_block * BLOCK_Q >= q_len:
             return
-        if SKIP_SINGLE:
-            if q_len == 1:  # left to the decode launch of the same batch
-                return
+        if q_len <= SHORT_Q:  # left to the decode launch of the same batch
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
@@ -312,11 +312,12 @@ def _paged_attn_kernel(
         acc = acc * v_scale  # sum_j p_j (v_j * v_scale), once per row instead of once per key
 
     if SPLIT_KV:
-        # Partials [num_splits, num_seqs, Hq, D] (unnormalised) and [2, num_splits, num_seqs, Hq] (m, l).
+        # Partials [num_splits, num_seqs, BLOCK_Q, Hq, D] (unnormalised) and [2, num_splits, num_seqs, BLOCK_Q,
+        # Hq] (m, l): a row per new token of a decode-mode sequence (BLOCK_Q of them at most).
         hq = tl.num_programs(0) * G
-        part_row = (split * num_seqs + seq).to(tl.int64) * hq + head
+        part_row = ((split * num_seqs + seq) * BLOCK_Q + tok).to(tl.int64) * hq + head
         tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
-        ml_stride = num_splits * num_seqs * hq
+        ml_stride = num_splits * num_seqs * BLOCK_Q * hq
         tl.store(part_ml_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_ml_ptr + ml_stride + part_row, l_i, mask=row_ok)
     else:
@@ -337,28 +338,31 @@ def _reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Combine the split-KV partials of one (decode sequence, query head) into its output row."""
+    """Combine the split-KV partials of one (decode-mode sequence, query head, new token) into its output row."""
     pdl_start(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    tok = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len > BLOCK_Q) | (tok >= q_len):  # a prefill the other launch wrote, or no such token
         return
     hq = tl.num_programs(1)
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
-    part_row = (offs_s * num_seqs + seq).to(tl.int64) * hq + head
+    part_row = ((offs_s * num_seqs + seq) * BLOCK_Q + tok).to(tl.int64) * hq + head
     m = tl.load(part_ml_ptr + part_row, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + num_splits * num_seqs * hq + part_row, mask=s_ok, other=0.0)
+    l_s = tl.load(part_ml_ptr + num_splits * num_seqs * BLOCK_Q * hq + part_row, mask=s_ok, other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     # A row that saw no key (a padding row: length 0) is zeros, as without splits, not 0 / 0.
     denom = tl.sum(l_s * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    o_ptrs = out_ptr + (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
@@ -379,6 +383,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    short_query_len: int = 1,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch over its paged KV cache (semantics: `ops.ref_paged_attention`), each
     token within its last `window` positions where given.
@@ -390,6 +395,9 @@ def paged_attention(
     sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
     result. `out` is an optional `[T, Hq, D]` output. `k_scale` and `v_scale` are an FP8 cache's scales (plain
     arguments of the launch: a CUDA graph keeps the values it was captured with, fixed once the model is loaded).
+    `short_query_len`: sequences with up to this many new tokens (a speculative verification's k + 1) go to the
+    decode launch, whose programs split the context (flash decoding), instead of the prefill launch, where one
+    program a KV head walks the whole context; 1 (the default): single new tokens only.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_layer.shape
@@ -433,7 +441,8 @@ def paged_attention(
     tensors = (block_tables, seq_lens, query_start_loc)
     assert seq_order is None or seq_order.shape == (num_seqs,)
 
-    if max_query_len > 1:
+    short = max(1, short_query_len)
+    if max_query_len > short:
         cfg = prefill_cfg
         block_q = cfg.block_m // g
         grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + num_seqs, 1)
@@ -451,22 +460,30 @@ def paged_attention(
             BLOCK_N=cfg.block_n,
             num_splits=1,
             DECODE=False,
-            SKIP_SINGLE=True,
+            SHORT_Q=short,
             SPLIT_KV=False,
             ORDERED=False,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **launch_options(q, cfg),
         )
-        if num_tokens >= num_seqs * max_query_len:  # no sequence has a single new token
+        if num_tokens >= num_seqs * max_query_len:  # every sequence has max_query_len (> short) new tokens
             return out
 
     cfg = decode_cfg
+    block_q = min(short, max_query_len)  # the most new tokens of a sequence the decode launch takes
+    if (
+        block_q > 1
+    ):  # a row per (new token, query head): a taller tile, without the one-token tile's register cap
+        rows = max(cfg.block_m, triton.next_power_of_2(block_q * g))
+        cfg = AttnConfig(rows, cfg.block_n, cfg.num_warps, cfg.num_stages)
     longest = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n)
     splits = num_kv_splits or choose_num_splits(q, num_seqs, num_kv_heads, longest, cfg.block_n)
     if splits > 1:
-        part_o = torch.empty((splits, num_seqs, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((2, splits, num_seqs, num_heads), dtype=torch.float32, device=q.device)
+        part_o = torch.empty(
+            (splits, num_seqs, block_q, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty((2, splits, num_seqs, block_q, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
     assert num_seqs * splits < 2**16, "too many decode programs for the grid's second axis"
@@ -480,11 +497,11 @@ def paged_attention(
         seq_lens if seq_order is None else seq_order,
         **common,
         BLOCK_M=cfg.block_m,
-        BLOCK_Q=1,
+        BLOCK_Q=block_q,
         BLOCK_N=cfg.block_n,
         num_splits=splits,
         DECODE=True,
-        SKIP_SINGLE=False,
+        SHORT_Q=block_q,
         SPLIT_KV=splits > 1,
         ORDERED=seq_order is not None,
         num_warps=cfg.num_warps,
@@ -492,7 +509,7 @@ def paged_attention(
         **launch_options(q, cfg),
     )
     if splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
+        _reduce_kernel[(num_seqs, num_heads, block_q)](
             out,
             part_o,
             part_ml,
@@ -503,6 +520,7 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             SPLITS_POW2=triton.next_power_of_2(splits),
+            BLOCK_Q=block_q,
             num_warps=4,
             **pdl_options(q),
         )

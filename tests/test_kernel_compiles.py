@@ -120,10 +120,10 @@ _PDL_KERNELS = {
     },
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,
-        "SKIP_SINGLE": False, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
+        "SHORT_Q": 1, "SPLIT_KV": True, "ORDERED": True, "DOT_PREC": "tf32", "KV_FP8": False,
         "WINDOWED": False,
     },
-    "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4},
+    "attention._reduce_kernel": {"HEAD_DIM": 128, "SPLITS_POW2": 4, "BLOCK_Q": 1},
 }  # fmt: skip
 
 

@@ -589,10 +589,13 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    short_query_len: int = 1,
     memo: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache for a ragged batch (see `ref_paged_attention`), within a
     sliding `window` where the layer has one. `memo`: the step's (`AttentionMetadata.memo`), for the reference.
+    `short_query_len`: the kernel's decode launch (the context split over programs) takes sequences with up to
+    this many new tokens (speculative verification); the result is the same.
 
     `max_query_len` (the longest run of new tokens) and `max_seq_len` (an upper bound of `seq_lens`) are
     host-side hints that keep the kernel launch free of device-to-host syncs (and fix its split-KV choice
@@ -615,6 +618,7 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
             window=window,
+            short_query_len=short_query_len,
         )
     args = (q, kv_layer, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window)
     return ref_paged_attention(*args, memo=memo)

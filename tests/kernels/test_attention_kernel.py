@@ -157,6 +157,20 @@ def test_padded_as_a_cuda_graph(q_lens: list[int], ctx_lens: list[int], splits: 
     assert out[n_tok:].isnan().all(), "a padding token's row was written"
 
 
+@pytest.mark.parametrize(("g", "splits", "short"), [(4, 1, 5), (4, 3, 5), (2, 2, 3), (1, 4, 8)])
+def test_short_queries_in_the_decode_launch(g: int, splits: int, short: int) -> None:
+    """`short_query_len` (a verification's k + 1): sequences with up to that many new tokens go to the decode
+    launch, split over the context, longer ones to the prefill launch; causal within the new tokens, the same
+    outputs as the reference; as one batch and padded as a mixed-step CUDA graph (max_query_len the token
+    count), and with every sequence short (no prefill launch)."""
+    q_lens, ctx_lens = [1, short, short - 1, short + 4, 2], [37, 21, 0, 18, 50]
+    batch = make_batch(q_lens, ctx_lens, 2, g, 64, 16, torch.float32, seed=g + splits)
+    run(*batch, num_kv_splits=splits, short_query_len=short)
+    run(*batch, num_kv_splits=splits, short_query_len=short, max_query_len=sum(q_lens), max_seq_len=80)
+    few = make_batch([short, 1, short - 1], [9, 30, 4], 2, g, 64, 8, torch.float32, seed=splits)
+    run(*few, num_kv_splits=splits, short_query_len=short)
+
+
 @pytest.mark.parametrize(
     ("programs", "max_splits", "want"),
     [

@@ -104,6 +104,9 @@ class Attention(Module):
     ) -> None:
         super().__init__()
         self.window = window
+        # New tokens a sequence that the decode launch takes (ops.paged_attention): a verification's k + 1 under
+        # speculative decoding (set by the model runner), else 1.
+        self.short_query_len = 1
         kv_start, kv_end = tp.kv_heads(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_end - kv_start
         self.head_dim = cfg.head_dim
@@ -158,6 +161,7 @@ class Attention(Module):
             max_seq_len=meta.max_seq_len,
             seq_order=meta.decode_order,
             window=self.window,
+            short_query_len=self.short_query_len,
             memo=meta.memo,
             **scales,
         )

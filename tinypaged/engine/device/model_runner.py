@@ -35,6 +35,7 @@ from tinypaged.engine.device.draft_weights import DraftWeights, load_draft, spli
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
 from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.model.llama import Attention
 from tinypaged.model.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,10 @@ class ModelRunner:
         # its weights and its pools share the target's budget (draft_weights.py).
         self.draft: DraftWeights | None = None
         spec = config.speculative
+        if spec is not None:  # a verification's k + 1 new tokens a sequence take the split decode attention
+            for module in self.model.modules():
+                if isinstance(module, Attention):
+                    module.short_query_len = spec.num_speculative_tokens + 1
         if spec is not None and spec.method == "draft_model" and self.tp.rank == 0:
             self.draft = load_draft(config, self.device, self.dtype)
             self.stats.draft_weights_bytes = self.draft.weights_bytes
