@@ -478,7 +478,11 @@ def paged_attention(
         rows = max(cfg.block_m, triton.next_power_of_2(block_q * g))
         cfg = AttnConfig(rows, cfg.block_n, cfg.num_warps, cfg.num_stages)
     longest = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n)
-    splits = num_kv_splits or choose_num_splits(q, num_seqs, num_kv_heads, longest, cfg.block_n)
+    # A mixed-step graph keeps every sequence row, most of them empty; with short queries (a verification's k +
+    # 1), at most one sequence a token has any, so the split count is chosen for that many (a verification at
+    # batch 1 in a 16-token graph: 16 rows, not max_num_seqs, so its context splits).
+    live = num_seqs if block_q == 1 else min(num_seqs, num_tokens)
+    splits = num_kv_splits or choose_num_splits(q, live, num_kv_heads, longest, cfg.block_n)
     if splits > 1:
         part_o = torch.empty(
             (splits, num_seqs, block_q, num_heads, head_dim), dtype=torch.float32, device=q.device
