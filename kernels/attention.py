@@ -471,10 +471,11 @@ def paged_attention(
             return out
 
     cfg = decode_cfg
-    block_q = min(short, max_query_len)  # the most new tokens of a sequence the decode launch takes
-    if (
-        block_q > 1
-    ):  # a row per (new token, query head): a taller tile, without the one-token tile's register cap
+    # The most new tokens of a sequence the decode launch takes: `short` whenever a step may hold more than one
+    # (one variant a model, compiled by the mixed-step graphs' capture, not by each eager step's longest run).
+    block_q = short if max_query_len > 1 else 1
+    if block_q > 1:
+        # a row per (new token, query head): a taller tile, without the one-token tile's register cap
         rows = max(cfg.block_m, triton.next_power_of_2(block_q * g))
         cfg = AttnConfig(rows, cfg.block_n, cfg.num_warps, cfg.num_stages)
     longest = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n)

@@ -153,25 +153,16 @@ def _int4_halves(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
     eight `[BLOCK_N, W]` tensors in DT (bf16 or fp16; exact: small integers); tensor j holds code j, the weight
     at column `word * 8 + j`. ASM: the inline PTX above (the device); else the same values through
     `_minus_zero` (Triton's interpreter, which cannot run PTX)."""
-    if ASM and DT == tl.bfloat16:
-        neg = (tl.zeros(words.shape, tl.float32) - (zero + 128.0)).to(DT)
+    if ASM:
+        if DT == tl.bfloat16:
+            asm: tl.constexpr = INT4_BF16_ASM
+            magic: tl.constexpr = 128.0
+        else:
+            asm: tl.constexpr = INT4_FP16_ASM
+            magic: tl.constexpr = 1024.0
+        neg = (tl.zeros(words.shape, tl.float32) - (zero + magic)).to(DT)
         out = tl.inline_asm_elementwise(
-            INT4_BF16_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
-            [words, neg],
-            (tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
-    elif ASM:
-        neg = (tl.zeros(words.shape, tl.float32) - (zero + 1024.0)).to(DT)
-        out = tl.inline_asm_elementwise(
-            INT4_FP16_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
-            [words, neg],
-            (tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
+            asm, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
         )
     else:
         out = (
