@@ -177,8 +177,8 @@ def sweep_configs(
     gen: torch.Generator,
 ) -> None:
     """Graph-timed: the tensor-core kernel's tiles, warps (two: mma.sync; four or eight: wgmma), stages and K
-    splits at 1 and 16 rows (INT4 with zero points), and the GEMV's tilings and K splits at one row (INT4 with
-    zero points, INT8)."""
+    splits (1-16: a split costs no second launch) at 1 and 16 rows (INT4 with zero points), and the GEMV's
+    tilings and K splits (1-32) at one row (INT4 with zero points, INT8)."""
 
     def timed(fmt: str, label: str, cfg: tuple, fn: Any, default: bool) -> None:
         try:
@@ -192,7 +192,7 @@ def sweep_configs(
     for m in (1, 16):
         x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
         for block_n, warps, stages, split in itertools.product(
-            (64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4)
+            (64, 128, 256), (2, 4, 8), (3, 4), (1, 2, 4, 8, 16)
         ):
             if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256) or (k // 128) % split:
                 continue
@@ -201,7 +201,7 @@ def sweep_configs(
             timed("int4-g128-zp", f"int4-g128-zp tc M={m}", cfg, fn, cfg == kernels.gemm_config(m, n, k, 128))
     x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
     for fmt in ("int4-g128-zp", "int8-g128-sym"):
-        for block_n, block_k, split in itertools.product((8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8)):
+        for block_n, block_k, split in itertools.product((16, 32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32)):
             if not 2048 <= block_n * block_k <= 16384 or k % block_k or (k // block_k) % split:
                 continue
             cfg = (block_n, block_k, split, 4)

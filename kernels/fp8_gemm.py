@@ -157,7 +157,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, in
     return 128, 128 if wide else 64, block_k, 8, stages, k_split
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
+def tile_counters(device: torch.device) -> torch.Tensor:
     """The device's split-launch tile counters: zero between launches (each tile's last program resets its own)."""
     if device not in _counters:
         _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
@@ -195,7 +195,7 @@ def fp8_gemm(
         assert grid[0] * grid[1] <= MAX_TILES and pieces * m * n < 2**31
         part, counters = (
             torch.empty((pieces, m, n), dtype=torch.float32, device=xq.device),
-            _tile_counters(xq.device),
+            tile_counters(xq.device),
         )
     else:
         part = counters = y

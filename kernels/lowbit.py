@@ -20,7 +20,9 @@ Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
   at a quarter of the float rate), and keeps a float32 partial a word per thread, scaled once a step, as
   kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
   128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
-  float32 partial sums, which `_reduce_kernel` adds (bias and cast there): deterministic, no atomics.
+  float32 partial sums and count themselves in on the tile's counter; the last to arrive adds the partials in
+  split order (never arrival order: deterministic), adds the bias and stores the tile, and sets the counter
+  back to zero, as kernels/fp8_gemm.py does (one launch a layer: run 81 found the small layers latency-bound).
   Products and sums are float32: it matches the float32 reference up to the order and rounding of the sums.
 - `wint_gemm` (from one row for INT4 where the output is wider than the input, else from two; up to 64 rows:
   `gemv_rows` and model/quant/lowbit.py dispatch): tiles through the tensor cores. INT4 codes in bf16 or fp16
@@ -52,6 +54,7 @@ import triton.language as tl
 
 from .attention_configs import num_sms
 from .fp8 import INTERPRET
+from .fp8_gemm import MAX_TILES, tile_counters
 from .pdl import pdl_options, pdl_start
 
 
@@ -264,6 +267,8 @@ def _wint_kernel(
     z_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -271,12 +276,12 @@ def _wint_kernel(
     stride_x,
     stride_w,
     stride_s,
-    stride_ys,
     stride_y,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -348,26 +353,31 @@ def _wint_kernel(
         y = tl.trans(acc)
     else:
         y = acc
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + split * stride_ys + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:  # the partials to the workspace; the tile's last program to arrive sums them in split order
+        pieces = tl.num_programs(2)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part + split * M * N, y, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the counter's release publishes them
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == pieces - 1:
+            y = tl.zeros(y.shape, dtype=tl.float32)
+            for p in range(0, pieces):
+                y += tl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+            _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS)
+    else:
+        _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS)
 
 
 @triton.jit
-def _reduce_kernel(
-    part_ptr, b_ptr, y_ptr, MN, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
-    """y[i] = sum over the splits of part[split, i] (+ b[i % N]): the float32 partial sums of a split K."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    pdl_start(USE_PDL)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+def _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS: tl.constexpr):
+    """A tile's float32 sums plus the bias, stored in y's dtype."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -498,17 +508,6 @@ def _check(x: torch.Tensor, w: IntWeight) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _finish(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """`out` = the sum of the float32 partials `[SPLIT, M, N]` (+ bias), in out's dtype."""
-    split, m, n = part.shape
-    block = 1024
-    _reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, bias if bias is not None else part, out, m * n, n, split,
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options(part),
-    )  # fmt: skip
-    return out
-
-
 def _launch(
     x: torch.Tensor,
     w: IntWeight,
@@ -528,17 +527,22 @@ def _launch(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    dst = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    if split > 1:
+        assert grid[0] * grid[1] <= MAX_TILES and split * m * n < 2**31
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = tile_counters(x.device)
+    else:
+        part = counters = y
     s, z = w.scales, w.zeros
     _wint_kernel[grid](
-        x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, dst,
-        m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), m * n if split > 1 else 0, n,
-        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None and split == 1,
+        x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, y, part, counters,
+        m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
+        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
     )  # fmt: skip
-    return y if split == 1 else _finish(dst, bias, y)
+    return y
 
 
 def wint_gemv(

@@ -274,7 +274,7 @@ def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) ->
     from tinypaged.kernels import lowbit
 
     fn = getattr(lowbit, fn_name)
-    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32"}
+    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
         a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
         for a in fn.arg_names
@@ -287,14 +287,16 @@ def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) ->
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
-    """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not), reduce and dequantize kernels compile
-    for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the tensor-core
-    kernel runs bf16 wgmma (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX."""
+    """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not, K split or not) and dequantize kernels
+    compile for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the
+    tensor-core kernel runs bf16 wgmma (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX;
+    a split launch counts its programs in with a release-acquire atomic."""
     base = {
         "GROUP": 128,
         "BITS": bits,
         "HAS_ZERO": bits == 4,
         "HAS_BIAS": False,
+        "SPLIT": False,
         "BLOCK_K": 128,
         "ASM": bits == 4,
         "USE_PDL": True,
@@ -307,6 +309,12 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
     )
     assert ptx.count("ld.global.v4") >= 32 * 128 * bits // 8 // 16 // 128
+    assert "atom.global" not in ptx
+    split = _lowbit_compile(
+        "_wint_kernel",
+        base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
+    )
+    assert "atom.global.gpu.acq_rel.add" in split.asm["ptx"]
     wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
     _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
     for block_m, swap in ((16, True), (64, False)):
@@ -319,10 +327,11 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
             assert "prmt.b32" in gemm.asm["ptx"] and "fma.rn.bf16x2" in gemm.asm["ptx"]
     # two warps: the tensor cores through mma.sync (no wgmma, no shared-memory fence a code position)
     gemm = _lowbit_compile(
-        "_wint_kernel", base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False}, 2
+        "_wint_kernel",
+        base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
+        2,
     )
     assert "mma.sync" in gemm.asm["ptx"] and "wgmma" not in gemm.asm["ptx"]
-    _lowbit_compile("_reduce_kernel", {"HAS_BIAS": True, "BLOCK": 1024, "USE_PDL": True})
     _lowbit_compile(
         "_dequantize_kernel",
         {k: base[k] for k in ("GROUP", "BITS", "HAS_ZERO", "BLOCK_K", "USE_PDL")} | {"BLOCK_N": 32},
