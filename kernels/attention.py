@@ -11,6 +11,9 @@ heads that share the KV head packed side by side (GQA packing), so each KV tile 
 - Prefill mode (the other sequences): program = (query block, KV head); a query block
   holds BLOCK_M // G consecutive new tokens of one sequence, found by binary search over `query_start_loc`,
   so that the grid is sized from tensor shapes alone (no host sync).
+Both launches cover the first min(sequences, tokens) sequences only (in row order, and in decode order): one
+with new tokens never follows one without (a mixed-step graph's padding rows, 256 for a 16-token graph, come
+last), so the rest have nothing to attend for.
 Keys are read through the block table one token row at a time; tiles wholly below the causal diagonal run
 without masks, the rest (diagonal, end of sequence) with them. With a sliding window (WINDOWED), a program
 starts at the tile of its first row's first visible key and masks the tiles its rows' windows begin in; keys
@@ -332,6 +335,7 @@ def _reduce_kernel(
     part_o_ptr,
     part_ml_ptr,
     query_start_loc_ptr,
+    seq_order_ptr,
     num_seqs,
     num_splits,
     stride_ot,
@@ -339,11 +343,16 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    ORDERED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Combine the split-KV partials of one (decode-mode sequence, query head, new token) into its output row."""
+    """Combine the split-KV partials of one (decode-mode sequence, query head, new token) into its output row;
+    the sequence is the decode launch's of the same rank."""
     pdl_start(USE_PDL)
-    seq = tl.program_id(0)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + tl.program_id(0))
+    else:
+        seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -393,8 +402,10 @@ def paged_attention(
     from `query_start_loc` otherwise, and `max_seq_len` is bounded by the block table's width.
     `num_kv_splits` forces the decode split count (1 = no split-KV). `seq_order` `[B]` int32, a permutation of the
     sequences (longest first), is the order the decode programs take them in; it changes the speed, not the
-    result. `out` is an optional `[T, Hq, D]` output. `k_scale` and `v_scale` are an FP8 cache's scales (plain
-    arguments of the launch: a CUDA graph keeps the values it was captured with, fixed once the model is loaded).
+    result. In row order and in that order, no sequence with new tokens may follow one without: with fewer
+    tokens than sequences, the launches cover the first T only. `out` is an optional `[T, Hq, D]`
+    output. `k_scale` and `v_scale` are an FP8 cache's scales (plain arguments of the launch: a CUDA graph keeps
+    the values it was captured with, fixed once the model is loaded).
     `short_query_len`: sequences with up to this many new tokens (a speculative verification's k + 1) go to the
     decode launch, whose programs split the context (flash decoding), instead of the prefill launch, where one
     program a KV head walks the whole context; 1 (the default): single new tokens only.
@@ -442,10 +453,15 @@ def paged_attention(
     assert seq_order is None or seq_order.shape == (num_seqs,)
 
     short = max(1, short_query_len)
+    # A mixed-step graph keeps every sequence row (max_num_seqs), most of them empty and after the rest (in row
+    # and in decode order): only the first min(sequences, tokens) can have new tokens, and both launches cover
+    # those alone (a verification at batch 1 in a 16-token graph: 16, not 256; the prefill launch's empty
+    # programs each ran a binary search over every row: 19 us a layer in run 84).
+    ranks = min(num_seqs, num_tokens)
     if max_query_len > short:
         cfg = prefill_cfg
         block_q = cfg.block_m // g
-        grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + num_seqs, 1)
+        grid = (num_kv_heads, triton.cdiv(num_tokens, block_q) + ranks, 1)
         _paged_attn_kernel[grid](
             q,
             kv_layer,
@@ -454,7 +470,7 @@ def paged_attention(
             out,
             *tensors,
             seq_lens,
-            **common,
+            **(common | {"num_seqs": ranks}),
             BLOCK_M=cfg.block_m,
             BLOCK_Q=block_q,
             BLOCK_N=cfg.block_n,
@@ -479,10 +495,9 @@ def paged_attention(
         rows = max(cfg.block_m, triton.next_power_of_2(block_q * g))
         cfg = AttnConfig(rows, cfg.block_n, cfg.num_warps, cfg.num_stages)
     longest = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n)
-    # A mixed-step graph keeps every sequence row, most of them empty; with short queries (a verification's k +
-    # 1), at most one sequence a token has any, so the split count is chosen for that many (a verification at
-    # batch 1 in a 16-token graph: 16 rows, not max_num_seqs, so its context splits).
-    live = num_seqs if block_q == 1 else min(num_seqs, num_tokens)
+    # With short queries (a verification's k + 1 tokens) the split count is chosen for a sequence every k + 1
+    # tokens (a 16-token graph: 4), so that a verification's context splits.
+    live = num_seqs if block_q == 1 else min(num_seqs, triton.cdiv(num_tokens, block_q))
     splits = num_kv_splits or choose_num_splits(q, live, num_kv_heads, longest, cfg.block_n)
     if splits > 1:
         part_o = torch.empty(
@@ -491,8 +506,8 @@ def paged_attention(
         part_ml = torch.empty((2, splits, num_seqs, block_q, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out
-    assert num_seqs * splits < 2**16, "too many decode programs for the grid's second axis"
-    _paged_attn_kernel[(num_kv_heads, num_seqs * splits, 1)](
+    assert ranks * splits < 2**16, "too many decode programs for the grid's second axis"
+    _paged_attn_kernel[(num_kv_heads, ranks * splits, 1)](
         q,
         kv_layer,
         out,
@@ -514,11 +529,12 @@ def paged_attention(
         **launch_options(q, cfg),
     )
     if splits > 1:
-        _reduce_kernel[(num_seqs, num_heads, block_q)](
+        _reduce_kernel[(ranks, num_heads, block_q)](
             out,
             part_o,
             part_ml,
             query_start_loc,
+            seq_lens if seq_order is None else seq_order,
             num_seqs,
             splits,
             out.stride(0),
@@ -526,6 +542,7 @@ def paged_attention(
             HEAD_DIM=head_dim,
             SPLITS_POW2=triton.next_power_of_2(splits),
             BLOCK_Q=block_q,
+            ORDERED=seq_order is not None,
             num_warps=4,
             **pdl_options(q),
         )

@@ -171,6 +171,30 @@ def test_short_queries_in_the_decode_launch(g: int, splits: int, short: int) -> 
     run(*few, num_kv_splits=splits, short_query_len=short)
 
 
+@pytest.mark.parametrize(("short", "splits"), [(5, 1), (5, 3), (1, 2)])
+def test_graph_rows_past_the_tokens(short: int, splits: int) -> None:
+    """A mixed-step graph of 16 tokens keeps 40 sequence rows (max_num_seqs), most with no tokens, last in row
+    order and in the longest-first decode order: both launches (and the reduce) cover the first 16 sequences
+    only, and every real row still equals the unpadded batch's (a verification of `short` tokens or a decode
+    beside a prefill chunk)."""
+    q_lens = [short, 1, short + 3] if short > 1 else [1, 6, 1]
+    q, kv, bt, seq_lens, qsl = make_batch(q_lens, [30, 70, 9], 2, 4, 64, 16, torch.float32, seed=splits)
+    want = run(q, kv, bt, seq_lens, qsl, num_kv_splits=splits, short_query_len=short)
+    n_tok, n_seq, pad_tok, pad_seq = q.shape[0], len(q_lens), 16, 40
+    q_pad = torch.cat([q, torch.randn(pad_tok - n_tok, *q.shape[1:])])
+    bt_pad = torch.cat([bt, torch.full((pad_seq - n_seq, bt.shape[1]), -1, dtype=torch.int32)])
+    lens_pad = torch.cat([seq_lens, torch.zeros(pad_seq - n_seq, dtype=torch.int32)])
+    qsl_pad = torch.cat([qsl, torch.full((pad_seq - n_seq,), n_tok, dtype=torch.int32)])
+    order = torch.cat([torch.argsort(-seq_lens, stable=True), torch.arange(n_seq, pad_seq)]).to(torch.int32)
+    out = torch.full_like(q_pad, float("nan"))
+    attention.paged_attention(
+        q_pad, kv, bt_pad, lens_pad, qsl_pad, q.shape[-1] ** -0.5, max_query_len=pad_tok, max_seq_len=96,
+        num_kv_splits=splits, seq_order=order, short_query_len=short, out=out,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:n_tok], want, atol=1e-5, rtol=0)
+    assert out[n_tok:].isnan().all(), "a padding token's row was written"
+
+
 @pytest.mark.parametrize(
     ("programs", "max_splits", "want"),
     [
