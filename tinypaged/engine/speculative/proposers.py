@@ -106,6 +106,10 @@ class OracleProposer:
         self._rng = random.Random(seed)
         self._refs: dict[tuple[int, ...], list[int]] = {}
 
+    def reseed(self, seed: int) -> None:
+        """Restart the draws: runs reseeded alike draw alike (a benchmark's k = 4 alone or in a sweep)."""
+        self._rng = random.Random(seed)
+
     def add_reference(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         """The continuation to propose after this prompt (the target's greedy output for it)."""
         self._refs[tuple(prompt_token_ids)] = list(output_token_ids)
