@@ -365,14 +365,16 @@ def run_sharing_section(args: argparse.Namespace) -> dict[str, Any]:
         free_llm(llm)
 
 
-def run_block_sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """End-to-end normalized latency against block size (the paper's Fig. 18b): each block size on its own
-    engine (the same KV capacity in tokens with `--kv-tokens`), each workload at one rate; a block size the
-    engine refuses is recorded as such and the others still run."""
-    out: dict[str, Any] = {}
+def run_block_sizes(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """End-to-end normalized latency against block size (the paper's Fig. 18b) into `res["block_sizes"]`: each
+    block size on its own engine (the same KV capacity in tokens with `--kv-tokens`), each workload at one
+    rate, the JSON written after each size (a run cut short keeps the sizes done); a block size the engine
+    refuses is recorded as such and the others still run."""
+    out: dict[str, Any] = res.setdefault("block_sizes", {})
     for bs in args.block_sizes:
         section(out, str(bs), lambda bs=bs: block_size_row(args, bs))
-    return out
+        if args.json:
+            write_json(args.json, res)
 
 
 def block_size_row(args: argparse.Namespace, bs: int) -> dict[str, Any]:
@@ -381,7 +383,8 @@ def block_size_row(args: argparse.Namespace, bs: int) -> dict[str, Any]:
     row = {}
     try:
         for name in args.workloads:
-            work = load_workload(args, name, args.num_requests, args.seed, llm)
+            count = getattr(args, f"{name}_block_requests") or args.num_requests
+            work = load_workload(args, name, count, args.seed, llm)
             rate = getattr(args, f"{name}_block_rate") or math.inf
             run = serve(llm, work, rate, args.seed, f"bs{bs}-{name}")
             row[name] = {k: v for k, v in run.items() if k != "series"}
@@ -499,6 +502,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="req/s of the block-size runs (default: all at once)",
     )
     ap.add_argument("--alpaca-block-rate", type=float, default=None)
+    ap.add_argument("--sharegpt-block-requests", type=int, default=None, help="default: --num-requests")
+    ap.add_argument("--alpaca-block-requests", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
         "--kv-tokens",
@@ -564,7 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section(res, "sharing", lambda: run_sharing_section(args), args.json)
     if "block_sizes" in args.sections:
         print("block sizes", flush=True)
-        section(res, "block_sizes", lambda: run_block_sizes(args), args.json)
+        run_block_sizes(args, res)
     if "kernels" in args.sections:
         from paper_kernels import run_kernels
 
