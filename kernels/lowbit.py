@@ -24,7 +24,7 @@ Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
   split order (never arrival order: deterministic), adds the bias and stores the tile, and sets the counter
   back to zero, as kernels/fp8_gemm.py does (one launch a layer: run 81 found the small layers latency-bound).
   Products and sums are float32: it matches the float32 reference up to the order and rounding of the sums.
-- `wint_gemm` (from one row for INT4 where the output is wider than the input, else from two; up to 64 rows:
+- `wint_gemm` (from one row for INT4 with bf16 or fp16 activations, else from two; up to 64 rows:
   `gemv_rows` and model/quant/lowbit.py dispatch): tiles through the tensor cores. INT4 codes in bf16 or fp16
   become half-precision pairs in inline PTX (`_int4_halves`: two weights a `prmt`/`lop3`/`fma` chain), the
   activations of a step come in one load and are dealt into the eight code positions' columns. The codes
@@ -459,14 +459,19 @@ def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int
 def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for `wint_gemm`: up to 32 rows a transposed
     tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split in up to 8
-    (`_split`). Run 81's graph-timed sweep at 1 and 16 rows (INT4, splits 1-4): these tilings the best at qkv and
-    gate_up; at o and down (8 ways here) 4 ways with 2 warps measured best of those tried, yet capping the split
-    at 4 took batch-16 decode from 1.24x bf16 (run 81) to 1.08x (run 82)."""
+    (`_split`; 16 on a long K loop). Run 84's graph-timed sweep at 1 and 16 rows (INT4, splits 1-16, the split
+    reduced in the same launch): these tilings within 0.5 us of the best at qkv, o and gate_up (qkv's best at
+    one row, 128 rows split 8, was 0.7 us slower at 16 rows; 16 splits of o slower at 16 rows: the last
+    program's sum of the partials grows with rows times splits)."""
     block_k = step_k(group)
     block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
     tiles_m = triton.cdiv(m, block_m)
-    block_n = 128 if triton.cdiv(n, 128) * tiles_m >= sms else 64
-    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms, most=8)
+    # A long K loop (down_proj's 112 steps) at up to 16 rows: 128-row tiles split 16 ways (7 steps a program;
+    # run 84: 20.3 / 22.7 us at 1 / 16 rows against 64-row tiles split 8 ways' 23.7 / 26.1). A program's time
+    # follows its count of K steps (1.3 us a step at one program a multiprocessor), not its bytes.
+    long_k = k // block_k >= 64 and m <= 16
+    block_n = 128 if triton.cdiv(n, 128) * tiles_m >= sms or long_k else 64
+    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms, most=16 if long_k else 8)
     return block_m, block_n, block_k, split, 4, 3
 
 
@@ -482,14 +487,13 @@ def uses_asm(x: torch.Tensor, w: IntWeight) -> bool:
 
 def gemv_rows(x: torch.Tensor, w: IntWeight) -> int:
     """The most rows a step sends to `wint_gemv`; from one more on, `wint_gemm` (tensor cores). On the device
-    (run 81, graph-timed at the 8B shapes): INT4 where the output is wider than the input (qkv, gate_up) takes
-    the tensor cores from one row (13.3 and 37.4 us against the GEMV's 13.5 and 43.3), elsewhere (o, down)
-    the GEMV at one row (10.0 and 26.5 against 12.0 and 33.0); INT8 the GEMV at one row (its tensor-core
-    route through float32 is the faster from two rows). Under Triton's interpreter: up to GEMV_MAX_ROWS."""
+    (run 84, graph-timed at the 8B shapes, K splits reduced in the same launch): INT4 takes the tensor cores
+    from one row (qkv / o / gate_up / down 13.1 / 9.2 / 37.3 / 20.3 us against the GEMV's 14.6 / 9.2 / 42.4 /
+    26.0 at their defaults); INT8 the GEMV at one row (its tensor-core route through float32 is the faster
+    from two rows). Under Triton's interpreter: up to GEMV_MAX_ROWS."""
     if not x.is_cuda or INTERPRET:
         return GEMV_MAX_ROWS
-    n, k = w.qweight.shape[0], x.shape[1]
-    return 0 if uses_asm(x, w) and n > k else 1
+    return 0 if uses_asm(x, w) else 1
 
 
 def _check(x: torch.Tensor, w: IntWeight) -> tuple[int, int, int]:
