@@ -10,8 +10,8 @@ there:
 - paper_batch_kv_over_time.png: sequences in the batch and KV blocks in use over time, at each workload's
   highest sustained rate (Fig. 13 shows the mean batch);
 - paper_sharing.png: blocks saved by sharing, parallel sampling and beam search by width (Fig. 15);
-- paper_block_size.png: end-to-end normalized latency, and the decode kernel's time, against block size
-  (Fig. 18);
+- paper_block_size.png: end-to-end normalized latency (a line per workload and rate, from every file that
+  has block sizes), and the decode kernel's time, against block size (Fig. 18);
 - paper_kernels.png: the paged kernel against SDPA over a contiguous cache, per decode batch (Fig. 18a).
 """
 
@@ -29,6 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 DPI = 100
+INF = float("inf")
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
@@ -46,7 +47,16 @@ def merge(paths: list[Path]) -> dict[str, Any]:
                     continue
                 have = out["rates"].setdefault(policy, {}).get(name)
                 out["rates"][policy][name] = sweep if have is None else join_sweeps(have, sweep)
-        for key in ("sharing", "block_sizes", "kernels", "device"):
+        for size, row in res.get("block_sizes", {}).items():
+            if "error" in row:
+                continue
+            for name, run in row.items():  # a series per workload and rate: files at other rates join
+                if isinstance(run, dict) and "mean_norm_latency_s" in run:
+                    label = (
+                        f"{name}, {run['rate']:g} req/s" if run.get("rate", INF) < INF else f"{name}, at once"
+                    )
+                    out.setdefault("block_sizes", {}).setdefault(size, {})[label] = run
+        for key in ("sharing", "kernels", "device"):
             if key in res and "error" not in res[key]:
                 out[key] = res[key]
     return out
@@ -134,11 +144,12 @@ def block_size(res: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel == "block_sizes":
-            ran = {b: row for b, row in res["block_sizes"].items() if "error" not in row}
-            sizes = [int(b) for b in ran]
-            for name in next(iter(ran.values())):
-                ys = [1e3 * ran[str(b)][name]["mean_norm_latency_s"] for b in sizes]
-                ax.plot(sizes, ys, "o-", label=name)
+            ran = res["block_sizes"]
+            labels = sorted({label for row in ran.values() for label in row})
+            for label in labels:
+                sizes = sorted(int(b) for b, row in ran.items() if label in row)
+                ys = [1e3 * ran[str(b)][label]["mean_norm_latency_s"] for b in sizes]
+                ax.plot(sizes, ys, "o-", label=label)
             ax.set(ylabel="normalized latency (ms/token)", title="end to end")
         else:
             for r in res["kernels"]["rows"]:
