@@ -9,6 +9,8 @@ there:
   workload, with each policy's bound (the paper's Fig. 12);
 - paper_batch_kv_over_time.png: sequences in the batch and KV blocks in use over time, at each workload's
   highest sustained rate (Fig. 13 shows the mean batch);
+- paper_kv_waste.png: KV waste at the peak of block use by policy, at each policy's highest sustained rate
+  (Fig. 2);
 - paper_sharing.png: blocks saved by sharing, parallel sampling and beam search by width (Fig. 15);
 - paper_block_size.png: end-to-end normalized latency (a line per workload and rate, from every file that
   has block sizes), and the decode kernel's time, against block size (Fig. 18);
@@ -170,6 +172,44 @@ def block_size(res: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def kv_waste(res: dict[str, Any], out: Path) -> None:
+    """KV waste at the peak of block use, per policy and workload, at the policy's highest sustained rate (its
+    lowest rate where it sustains none): slots reserved but not written and slots of partly filled blocks, as
+    shares of the slots held, stacked (the paper's Fig. 2); free blocks outside the largest free run (external
+    fragmentation), a share of the whole cache, beside them."""
+    names = sorted({n for by_name in res["rates"].values() for n in by_name})
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        policies = [p for p, by_name in res["rates"].items() if name in by_name]
+        for x, policy in enumerate(policies):
+            sweep = res["rates"][policy][name]
+            runs = sorted(sweep["runs"], key=lambda r: r["rate"])
+            top = sweep["sustained"]["max_rate"]
+            run = next((r for r in runs if r["rate"] == top), runs[0])
+            w = run["peak_waste"]
+            ax.bar(x - 0.2, 100 * w["internal"], 0.4, color="C0", label="internal" if x == 0 else None)
+            ax.bar(
+                x - 0.2, 100 * w["reserved"], 0.4, bottom=100 * w["internal"], color="C1",
+                label="reserved, not written" if x == 0 else None,
+            )  # fmt: skip
+            ax.bar(
+                x + 0.2,
+                100 * w["external"],
+                0.4,
+                color="C2",
+                label="external (of the cache)" if x == 0 else None,
+            )
+            ax.annotate(
+                f"{run['rate']:g} req/s", (x, 100 * (w["internal"] + w["reserved"])), ha="center", va="bottom"
+            )
+        ax.set_xticks(range(len(policies)), policies)
+        ax.set(title=f"{name} shape", ylabel="KV slots wasted at the peak (%)", ylim=(0, 105))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "paper_kv_waste.png", dpi=DPI)
+    plt.close(fig)
+
+
 def kernels(res: dict[str, Any], out: Path) -> None:
     """The paged kernel (block size 16) against SDPA over a contiguous cache, per decode batch."""
     rows = res["kernels"]["rows"]
@@ -197,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if any(res["rates"].values()):
         latency_vs_rate(res, args.out)
+        kv_waste(res, args.out)
         if res["rates"].get("paged"):
             batch_over_time(res, args.out)
     if "sharing" in res:

@@ -99,3 +99,25 @@ def test_sweeps_join_across_files() -> None:
     assert [r["rate"] for r in j["runs"]] == [3, 4, 5, 6]
     assert j["runs"][-1]["mean_norm_latency_s"] == 0.018  # the later file's run at 6
     assert j["sustained"] == {"bound_s_per_token": 0.02, "max_rate": 6}  # 5 failed requests: not sustained
+
+
+def test_paper_all_runs_valid_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`paper_all.py`, the one command that runs the evaluation again: every step's arguments parse as
+    `paper_eval.py`'s, on the 13B shape at the paper's capacity where the step is a 13B one, each writing its
+    own file, and the figures drawn from every file the steps write; a dry run prints them and runs nothing."""
+    import paper_all
+
+    plan = paper_all.steps("/m8", "/m13", tmp_path, "-t")
+    files = set()
+    for name, argv in plan.items():
+        args = parse_args(argv)
+        assert args.json not in files and Path(args.json).parent == tmp_path
+        files.add(args.json)
+        if name.endswith(("13b", "13b-orca-between", "13b-paged-between", "paged", "orca", "sharegpt10")):
+            assert (args.model, args.random_shape, args.kv_tokens) == ("/m13", "llama-13b-mha", 15000), name
+    assert paper_all.main(["--results", str(tmp_path), "--tag=-t", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f in printed.split("=== plots: ")[1] for f in files)
+    assert "model-8b" in printed and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        paper_all.main(["--steps", "nonesuch", "--dry-run"])
