@@ -53,7 +53,8 @@ def test_tiny_run_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     paper_plots.main([str(out), "--out", str(tmp_path / "img")])
     drawn = {p.name for p in (tmp_path / "img").iterdir()}
     assert drawn == {
-        f"paper_{n}.png" for n in ("latency_vs_rate", "batch_kv_over_time", "sharing", "block_size")
+        f"paper_{n}.png"
+        for n in ("latency_vs_rate", "kv_waste", "batch_kv_over_time", "sharing", "block_size")
     }
 
 
