@@ -142,3 +142,29 @@ def test_greedy_accepts_exactly_the_argmax_and_seeds_repeat() -> None:
     torch.manual_seed(99)  # the host generator moves on: seeded rows do not read it
     runs.append([t.token for t in verify(Sampler(), logits, [Verify(rows, (1, 2, 3))])[0].samples])
     assert runs[0] == runs[1] == runs[2] == runs[3]
+
+
+def test_all_greedy_takes_one_reduction_and_draws_what_rejection_draws() -> None:
+    """A batch of greedy rows is verified from each row's argmax alone (`_greedy`); it emits what the
+    rejection path does, for point-mass proposals and for a draft's q, with ties at the maximum (the first
+    wins), the oracle's count, and a row with no finite logit (reported unusable by both)."""
+    from tinypaged.engine.sampling.rejection import _greedy, _rejection
+
+    gen = torch.Generator().manual_seed(5)
+    g = SamplingParams(temperature=0.0)
+    logits = torch.randn(12, V, generator=gen)
+    logits[1, 6] = logits[1, 2] = logits[1].max() + 1.0  # a tie: 2 is the first
+    logits[7] = float("-inf")
+    best = logits.argmax(dim=-1).tolist()
+    q = torch.softmax(torch.randn(3, V, generator=gen), dim=-1)
+    items = [
+        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[0], 6, best[2])),  # rejects at 1
+        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[4], best[5], best[6]), q),  # all
+        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[8], 1, 2), None, 1),  # oracle
+    ]
+    starts = [0, 4, 8, 12]
+    rows = [r for it in items for r in it.rows]
+    fast, fast_ok = _greedy(logits, items, starts)
+    slow, slow_ok = _rejection(logits, items, rows, starts)
+    assert fast == slow == [[best[0], 2], [best[4], best[5], best[6], 0], [best[8], best[9]]]
+    assert fast_ok == slow_ok and fast_ok[7] is False and sum(fast_ok) == 11

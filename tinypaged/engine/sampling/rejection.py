@@ -124,12 +124,44 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[Verify]) -> list[
     rows = [r for it in items for r in it.rows]
     raw = logits
     z = sampler.process(logits, rows)
-    dev = z.device
-    valid_rows = torch.isfinite(z.amax(dim=-1)).tolist()
-    probs = target_probs(z, rows)
     starts = [0]
     for it in items:
         starts.append(starts[-1] + len(it.rows))
+    if all(r.params.greedy for r in rows):
+        tokens, valid_rows = _greedy(z, items, starts)
+    else:
+        tokens, valid_rows = _rejection(z, items, rows, starts)
+    samples = _with_logprobs(raw, starts, tokens, [it.rows[0] for it in items])
+    return [Verified(s, all(valid_rows[starts[i] : starts[i] + len(s)])) for i, s in enumerate(samples)]
+
+
+def _greedy(z: torch.Tensor, items: list[Verify], starts: list[int]) -> tuple[list[list[int]], list[bool]]:
+    """Every row greedy: each row's distribution is a point mass at its argmax, so a proposal is accepted
+    exactly when it is its row's argmax (p(d) is 1 or 0, whatever q(d)), and the token after the accepted run is
+    that row's argmax (the residual max(0, p - q) of a point mass is the point mass, or empty, and then the row's
+    own distribution): what the rejection path draws, from one reduction and one copy to the host."""
+    top, best = z.max(dim=-1)  # the first of equal maxima, as argmax
+    best_l, finite = torch.stack([best, torch.isfinite(top).to(best.dtype)]).tolist()
+    tokens = []
+    for it, start in zip(items, starts, strict=False):
+        if it.accept is not None:  # the oracle's count (benchmarks)
+            a = min(it.accept, len(it.proposed))
+        else:
+            a = 0
+            while a < len(it.proposed) and it.proposed[a] == best_l[start + a]:
+                a += 1
+        tokens.append([*it.proposed[:a], best_l[start + a]])
+    return tokens, [bool(f) for f in finite]
+
+
+def _rejection(
+    z: torch.Tensor, items: list[Verify], rows: list[SamplingRow], starts: list[int]
+) -> tuple[list[list[int]], list[bool]]:
+    """The emitted tokens of each sequence by rejection sampling (the module docstring), and whether each
+    row's distribution was usable."""
+    dev = z.device
+    valid_rows = torch.isfinite(z.amax(dim=-1)).tolist()
+    probs = target_probs(z, rows)
     u_acc, u_res = _uniforms(rows)
     # p(d) (and q(d)) of every proposal, to the host in one copy.
     at = [(starts[i] + j, d) for i, it in enumerate(items) for j, d in enumerate(it.proposed)]
@@ -172,8 +204,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[Verify]) -> list[
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     drawn = drawn.clamp(max=cdf.shape[-1] - 1).tolist()
     tokens = [list(it.proposed[:a]) + [t] for it, a, t in zip(items, accepted, drawn, strict=True)]
-    samples = _with_logprobs(raw, starts, tokens, [it.rows[0] for it in items])
-    return [Verified(s, all(valid_rows[starts[i] : starts[i] + len(s)])) for i, s in enumerate(samples)]
+    return tokens, valid_rows
 
 
 def _with_logprobs(
