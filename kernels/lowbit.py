@@ -313,6 +313,11 @@ def _wint_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DOT and BLOCK_K // PACK >= 16:
+        # A step's scales and zero points are loaded a step ahead: the codes come through cp.async (pipelined),
+        # but these plain loads stalled each step for a memory latency (in SASS, the zero point's load met its
+        # shared-memory store at once).
+        s_next, z_next = _group_params(s_ptr, z_ptr, k_lo // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
         if not DOT:
             acc += _gemv_step(
@@ -324,7 +329,9 @@ def _wint_kernel(
             words = tl.load(
                 w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
             )
-            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            s, z = s_next, z_next
+            g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP  # the last step loads its own again
+            s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
             step = tl.zeros(acc.shape, dtype=tl.float32)
             if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
                 ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
