@@ -70,6 +70,11 @@ class IntWeight(Protocol):
 
 
 GEMV_MAX_ROWS = 4
+# The tensor-core kernel's INT4 step as one dot: the eight code positions' weights joined back into column order
+# (`_codes_in_order`) instead of eight dots over dealt activations. In SASS (sm_90, compiled here) the step's
+# 16 wgmma then issue as one chain with one wait, where the eight dots each waited for the one before behind a
+# fence; it costs 56 byte permutes a step. Off until timed on the device (benchmarks/lowbit.py sweeps both).
+INT4_JOIN = False
 
 
 @triton.jit
@@ -182,6 +187,19 @@ def _int4_halves(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _codes_in_order(ws, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_int4_halves`' eight `[BLOCK_N, BLOCK_K / 8]` tensors joined into `[BLOCK_N, BLOCK_K]`, column
+    `8 * word + 4 * a + 2 * b + c` from tensor `4 * a + 2 * b + c` (`_columns_by_code` in reverse)."""
+    t00 = tl.join(ws[0], ws[4])  # [.., a]
+    t01 = tl.join(ws[1], ws[5])
+    t10 = tl.join(ws[2], ws[6])
+    t11 = tl.join(ws[3], ws[7])
+    u0 = tl.join(t00, t10)  # [.., a, b], c = 0
+    u1 = tl.join(t01, t11)
+    return tl.reshape(tl.join(u0, u1), (BLOCK_N, BLOCK_K))  # [.., a, b, c]
+
+
+@triton.jit
 def _columns_by_code(x_rows, k0, row_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The activations of one K step `[BLOCK_M, BLOCK_K]`, one contiguous load, dealt into eight `[BLOCK_M,
     BLOCK_K / 8]` tensors: tensor j holds columns `8 * word + j`, the columns INT4 code j of each word meets.
@@ -290,6 +308,7 @@ def _wint_kernel(
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
+    JOIN: tl.constexpr,
 ):
     """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
     BLOCK_M x BLOCK_N tile. DOT: per step, the activations dotted with the codes minus their zero point (exact
@@ -333,7 +352,11 @@ def _wint_kernel(
             g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP  # the last step loads its own again
             s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
             step = tl.zeros(acc.shape, dtype=tl.float32)
-            if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
+            if BITS == 4 and JOIN:  # the eight codes' tensors joined back into the columns' order: one dot
+                ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
+                x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None], other=0.0)
+                step = _dot_step(step, x, _codes_in_order(ws, BLOCK_N, BLOCK_K), SWAP_AB, IEEE)
+            elif BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
                 ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
                 xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
                 for j in tl.static_range(PACK):
@@ -528,8 +551,10 @@ def _launch(
     warps: int,
     stages: int,
     dot: bool,
+    join: bool | None = None,
 ) -> torch.Tensor:
-    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways; `join`:
+    the INT4 tensor-core step as one dot (default `INT4_JOIN`)."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
@@ -552,6 +577,7 @@ def _launch(
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
+        JOIN=dot and w.bits == 4 and (INT4_JOIN if join is None else join),
     )  # fmt: skip
     return y
 
@@ -578,15 +604,17 @@ def wint_gemm(
     w: IntWeight,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
+    join: bool | None = None,
 ) -> torch.Tensor:
     """As `wint_gemv`, for any row count (tensor cores; meant for up to 64 rows): `[M, N]` in x's dtype.
-    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages), default `gemm_config`."""
+    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages), default `gemm_config`; `join`: INT4's
+    step as one dot (default `INT4_JOIN`)."""
     m, k = x.shape
     sms = num_sms(x.device) if x.is_cuda else 132
     block_m, block_n, block_k, split, warps, stages = config or gemm_config(
         m, w.qweight.shape[0], k, w.group, sms
     )
-    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True)
+    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True, join=join)
 
 
 def wint_dequantize(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -73,16 +73,24 @@ def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
 
 @pytest.mark.parametrize("bits, group, symmetric", CASES)
 def test_gemm_matches_dequantized_product(bits: int, group: int, symmetric: bool) -> None:
-    """Transposed (row tiles under 64) and plain tiles, K split or not, fp16 and float32."""
+    """Transposed (row tiles under 64) and plain tiles, K split or not, fp16 and float32; INT4's step as one
+    dot over its codes joined back into column order too."""
     m, n, k = 19, 40, 2 * group * 2
     x, q, bias = operands(m, n, k, bits, group, symmetric, torch.float16, seed=bits + group)
     block_k = gemm_config(m, n, k, group)[2]
-    for cfg in [(32, 32, block_k, 1, 4, 2), (16, 64, block_k, 2, 4, 2), (64, 16, block_k, 4, 4, 1)]:
-        y = wint_gemm(x, q, bias=bias, config=cfg)
+    for cfg, join in [
+        ((32, 32, block_k, 1, 4, 2), False),
+        ((16, 64, block_k, 2, 4, 2), False),
+        ((64, 16, block_k, 4, 4, 1), False),
+        ((16, 64, block_k, 2, 4, 2), True),
+        ((64, 16, block_k, 1, 4, 1), True),
+    ]:
+        y = wint_gemm(x, q, bias=bias, config=cfg, join=join)
         assert y.dtype == torch.float16
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
     xf = x.float()
     torch.testing.assert_close(wint_gemm(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wint_gemm(xf, q, join=True).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits, group, symmetric", CASES[:3])
