@@ -157,10 +157,11 @@ def test_all_greedy_takes_one_reduction_and_draws_what_rejection_draws() -> None
     logits[7] = float("-inf")
     best = logits.argmax(dim=-1).tolist()
     q = torch.softmax(torch.randn(3, V, generator=gen), dim=-1)
+    four = [SamplingRow(g, [], [], None, (), j) for j in range(4)]
     items = [
-        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[0], 6, best[2])),  # rejects at 1
-        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[4], best[5], best[6]), q),  # all
-        Verify([SamplingRow(g, [], [], None, (), j) for j in range(4)], (best[8], 1, 2), None, 1),  # oracle
+        Verify(four, (best[0], 6, best[2])),  # rejected at 1
+        Verify(four, (best[4], best[5], best[6]), q),  # all accepted
+        Verify(four, (best[8], 1, 2), None, 1),  # the oracle's count
     ]
     starts = [0, 4, 8, 12]
     rows = [r for it in items for r in it.rows]
