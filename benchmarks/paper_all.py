@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--results", type=Path, default=HERE / "results")
     ap.add_argument("--img", type=Path, default=HERE.parent / "docs" / "img")
-    ap.add_argument("--tag", default="-h200", help="file name suffix (--tag=-x)")
+    ap.add_argument("--tag", default="h200", help="file names end -TAG.json")
     ap.add_argument("--steps", nargs="+", help="only these (default: all, in order)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
-    plan = steps(args.model_8b, args.model_13b, args.results, args.tag)
+    plan = steps(args.model_8b, args.model_13b, args.results, f"-{args.tag}" if args.tag else "")
     unknown = set(args.steps or ()) - set(plan)
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; steps: {', '.join(plan)}")

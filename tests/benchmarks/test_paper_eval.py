@@ -116,7 +116,7 @@ def test_paper_all_runs_valid_commands(tmp_path: Path, capsys: pytest.CaptureFix
         files.add(args.json)
         if name.endswith(("13b", "13b-orca-between", "13b-paged-between", "paged", "orca", "sharegpt10")):
             assert (args.model, args.random_shape, args.kv_tokens) == ("/m13", "llama-13b-mha", 15000), name
-    assert paper_all.main(["--results", str(tmp_path), "--tag=-t", "--dry-run"]) == 0
+    assert paper_all.main(["--results", str(tmp_path), "--tag", "t", "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert all(f in printed.split("=== plots: ")[1] for f in files)
     assert "model-8b" in printed and not any(tmp_path.iterdir())
