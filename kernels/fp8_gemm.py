@@ -89,24 +89,34 @@ def _fp8_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
-    ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        pieces = tl.num_programs(2)
-        tile = pid_n * tl.num_programs(0) + pid_m
         part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(part + tl.program_id(2) * M * N, acc, mask=ok)
-        # Every thread's partial stored before one thread counts the program in (the counter's release
-        # publishes them); the last program's acquire makes every piece visible to it.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == pieces - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for p in range(0, pieces):
-                acc += tl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tile = pid_n * tl.num_programs(0) + pid_m
+        last, acc = split_sum(acc, part, row_ok[:, None] & col_ok[None, :], M * N, count_ptr + tile)
+        if last:
             _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
     else:
         _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
+
+
+@triton.jit
+def split_sum(acc, part, ok, piece_stride, counter):
+    """One piece of a split-K tile (the grid's third axis): its float32 partial `acc` stored at `part` (this
+    piece's at `part + piece * piece_stride`), the program counted in on the tile's `counter`; the last to arrive
+    gets (True, the sum of every piece in piece order: deterministic) and sets the counter back to zero for the
+    next launch, the others (False, zeros)."""
+    pieces = tl.num_programs(2)
+    tl.store(part + tl.program_id(2) * piece_stride, acc, mask=ok)
+    # Every thread's partial stored before one thread counts the program in (the counter's release publishes
+    # them); the last program's acquire makes every piece visible to it.
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == pieces - 1
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    if last:
+        for p in range(0, pieces):
+            total += tl.load(part + p * piece_stride, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return last, total
 
 
 @triton.jit

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .attention_configs import num_sms
 from .fp8 import INTERPRET
-from .fp8_gemm import MAX_TILES, tile_counters
+from .fp8_gemm import MAX_TILES, split_sum, tile_counters
 from .pdl import pdl_options, pdl_start
 
 
@@ -384,18 +384,11 @@ def _wint_kernel(
     else:
         y = acc
     ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:  # the partials to the workspace; the tile's last program to arrive sums them in split order
-        pieces = tl.num_programs(2)
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    if SPLIT:  # the tile's last program to arrive sums the partials in split order
         part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(part + split * M * N, y, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the counter's release publishes them
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == pieces - 1:
-            y = tl.zeros(y.shape, dtype=tl.float32)
-            for p in range(0, pieces):
-                y += tl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        last, y = split_sum(y, part, ok, M * N, count_ptr + tile)
+        if last:
             _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS)
     else:
         _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS)

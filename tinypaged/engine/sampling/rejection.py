@@ -143,7 +143,7 @@ def _greedy(z: torch.Tensor, items: list[Verify], starts: list[int]) -> tuple[li
     top, best = z.max(dim=-1)  # the first of equal maxima, as argmax
     best_l, finite = torch.stack([best, torch.isfinite(top).to(best.dtype)]).tolist()
     tokens = []
-    for it, start in zip(items, starts, strict=False):
+    for it, start in zip(items, starts[:-1], strict=True):
         if it.accept is not None:  # the oracle's count (benchmarks)
             a = min(it.accept, len(it.proposed))
         else:
