@@ -17,8 +17,7 @@ and batch-16 decode of INT4 g128 and INT8 side by side with bf16, in one run.
   swept.
   These set `GEMV_ROWS` / `GEMM_ROWS` (model/quant/lowbit.py) and the configs (kernels/lowbit.py).
 - `--part decode`: engines bf16, int4 (`quantization="int4"`: groups of 128 with zero points), int8
-  (`"int8"`: groups of 128, symmetric) and int4-join (int4 with `kernels.lowbit.INT4_JOIN`: each tensor-core
-  step one dot), each loaded from the same random bf16 checkpoint (rounded at load, on
+  (`"int8"`: groups of 128, symmetric), each loaded from the same random bf16 checkpoint (rounded at load, on
   the GPU): batch-1 decode tokens/s (`common.run_latency`, CUDA graphs; prompt 512, 256 tokens) and batch-16
   decode tokens/s (16 requests of 512-token prompts decoding 256 tokens together, timed from the step every
   request has its first token), the weights' bytes, and the greedy tokens' agreement with bf16 over 8 prompts.
@@ -69,9 +68,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "bf16": {},
     "int4": {"quantization": "int4"},
     "int8": {"quantization": "int8"},
-    "int4-join": {"quantization": "int4"},  # with kernels.lowbit.INT4_JOIN set while it is built and runs
 }
-JOINED = {"int4-join"}
 TARGETS = {("int4", "batch1"): 2.0, ("int8", "batch1"): 1.5, ("int4", "batch16"): 1.7}
 
 
@@ -180,9 +177,9 @@ def sweep_configs(
     gen: torch.Generator,
 ) -> None:
     """Graph-timed: the tensor-core kernel's tiles, warps (two: mma.sync; four or eight: wgmma), stages and K
-    splits (1-16: a split costs no second launch), each with the step as eight dots and as one (`join`), at 1
-    and 16 rows (INT4 with zero points), and the GEMV's
-    tilings and K splits (1-32) at one row (INT4 with zero points, INT8)."""
+    splits (1-16: a split costs no second launch) at 1 and 16 rows (INT4 with zero points; one row and 16 are
+    compiled apart, since Triton specializes an argument equal to 1), and the GEMV's tilings and K splits (1-32)
+    at one row (INT4 with zero points, INT8)."""
 
     def timed(fmt: str, label: str, cfg: tuple, fn: Any, default: bool) -> None:
         try:
@@ -195,16 +192,14 @@ def sweep_configs(
     ws = ints["int4-g128-zp"]
     for m in (1, 16):
         x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
-        for block_n, warps, stages, split, join in itertools.product(
-            (64, 128, 256), (2, 4, 8), (3, 4), (1, 2, 4, 8, 16), (False, True)
+        for block_n, warps, stages, split in itertools.product(
+            (64, 128, 256), (2, 4, 8), (3, 4), (1, 2, 4, 8, 16)
         ):
             if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256) or (k // 128) % split:
                 continue
             cfg = (16, block_n, 128, split, warps, stages)
-            fn = lambda i, c=cfg, x=x, j=join: kernels.wint_gemm(x, ws[i], config=c, join=j)  # noqa: E731
-            label = f"int4-g128-zp tc{' join' if join else ''} M={m}"
-            default = cfg == kernels.gemm_config(m, n, k, 128) and join == kernels.INT4_JOIN
-            timed("int4-g128-zp", label, cfg, fn, default)
+            fn = lambda i, c=cfg, x=x: kernels.wint_gemm(x, ws[i], config=c)  # noqa: E731
+            timed("int4-g128-zp", f"int4-g128-zp tc M={m}", cfg, fn, cfg == kernels.gemm_config(m, n, k, 128))
     x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
     for fmt in ("int4-g128-zp", "int8-g128-sym"):
         for block_n, block_k, split in itertools.product((16, 32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32)):
@@ -252,10 +247,8 @@ def run_batch(
 
 def part_decode(res: dict[str, Any], args: argparse.Namespace) -> None:
     engines = res.setdefault("engines", {})
-    default_join = kernels.INT4_JOIN
     for name in args.engines:
-        out: dict[str, Any] = engines.setdefault(name, {"args": ENGINES[name], "int4_join": name in JOINED})
-        kernels.INT4_JOIN = name in JOINED  # read at each launch: the graphs captured with it keep it
+        out: dict[str, Any] = engines.setdefault(name, {"args": ENGINES[name]})
         try:
             t0 = time.perf_counter()
             llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=64, **ENGINES[name])
@@ -272,7 +265,6 @@ def part_decode(res: dict[str, Any], args: argparse.Namespace) -> None:
             gc.collect()  # an engine that failed half-built still holds its weights until collected
             torch.cuda.empty_cache()
         write_json(args.json, res)
-    kernels.INT4_JOIN = default_join
     base = engines.get("bf16", {}).get("batch16", {}).get("tokens")
     for e in engines.values():
         toks = e.get("batch16", {}).pop("tokens", None)

@@ -70,11 +70,6 @@ class IntWeight(Protocol):
 
 
 GEMV_MAX_ROWS = 4
-# The tensor-core kernel's INT4 step as one dot: the eight code positions' weights joined back into column order
-# (`_codes_in_order`) instead of eight dots over dealt activations. In SASS (sm_90, compiled here) the step's
-# 16 wgmma then issue as one chain with one wait, where the eight dots each waited for the one before behind a
-# fence; it costs 56 byte permutes a step. Off until timed on the device (benchmarks/lowbit.py sweeps both).
-INT4_JOIN = False
 
 
 @triton.jit
@@ -187,19 +182,6 @@ def _int4_halves(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _codes_in_order(ws, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_int4_halves`' eight `[BLOCK_N, BLOCK_K / 8]` tensors joined into `[BLOCK_N, BLOCK_K]`, column
-    `8 * word + 4 * a + 2 * b + c` from tensor `4 * a + 2 * b + c` (`_columns_by_code` in reverse)."""
-    t00 = tl.join(ws[0], ws[4])  # [.., a]
-    t01 = tl.join(ws[1], ws[5])
-    t10 = tl.join(ws[2], ws[6])
-    t11 = tl.join(ws[3], ws[7])
-    u0 = tl.join(t00, t10)  # [.., a, b], c = 0
-    u1 = tl.join(t01, t11)
-    return tl.reshape(tl.join(u0, u1), (BLOCK_N, BLOCK_K))  # [.., a, b, c]
-
-
-@triton.jit
 def _columns_by_code(x_rows, k0, row_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The activations of one K step `[BLOCK_M, BLOCK_K]`, one contiguous load, dealt into eight `[BLOCK_M,
     BLOCK_K / 8]` tensors: tensor j holds columns `8 * word + j`, the columns INT4 code j of each word meets.
@@ -308,7 +290,6 @@ def _wint_kernel(
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
-    JOIN: tl.constexpr,
 ):
     """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
     BLOCK_M x BLOCK_N tile. DOT: per step, the activations dotted with the codes minus their zero point (exact
@@ -352,11 +333,7 @@ def _wint_kernel(
             g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP  # the last step loads its own again
             s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
             step = tl.zeros(acc.shape, dtype=tl.float32)
-            if BITS == 4 and JOIN:  # the eight codes' tensors joined back into the columns' order: one dot
-                ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
-                x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_ok[:, None], other=0.0)
-                step = _dot_step(step, x, _codes_in_order(ws, BLOCK_N, BLOCK_K), SWAP_AB, IEEE)
-            elif BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
+            if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
                 ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
                 xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
                 for j in tl.static_range(PACK):
@@ -446,14 +423,16 @@ def step_k(group: int, cap: int = 128) -> int:
     return min(cap, group & -group)
 
 
-def _split(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4, most: int = 4) -> int:
+def _split(
+    tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4, most: int = 4, per_sm: int = 2
+) -> int:
     """How many programs share K: enough that `tiles` output tiles times the splits give every multiprocessor
-    at least two programs, each keeping `min_steps` K steps, at most `most`; a power of two that divides K's
+    at least `per_sm` programs, each keeping `min_steps` K steps, at most `most`; a power of two that divides K's
     steps evenly."""
     steps = k // block_k
     split = 1
     while (
-        tiles * split < 2 * sms
+        tiles * split < per_sm * sms
         and split < most
         and steps % (split * 2) == 0
         and steps // (split * 2) >= min_steps
@@ -481,21 +460,26 @@ def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int
 
 def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for `wint_gemm`: up to 32 rows a transposed
-    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles; K split in up to 8
-    (`_split`; 16 on a long K loop). Run 84's graph-timed sweep at 1 and 16 rows (INT4, splits 1-16, the split
-    reduced in the same launch): these tilings within 0.5 us of the best at qkv, o and gate_up (qkv's best at
-    one row, 128 rows split 8, was 0.7 us slower at 16 rows; 16 splits of o slower at 16 rows: the last
-    program's sum of the partials grows with rows times splits)."""
+    tile (the weight rows, 128 or 64, on the tensor cores' 64-row side), then 64-row tiles.
+
+    Up to 16 rows (run 87's graph-timed sweep, INT4 with zero points at the 8B shapes, the group's scale and
+    zero point loaded a step ahead): two warps (mma.sync) and K split until there are three programs a
+    multiprocessor (at most 8 ways; 16 on a long K loop): qkv 64-row tiles split 8 (9.9 / 10.9 us at 1 / 16
+    rows), o 64 split 8 (9.4 / 10.2), gate_up 128 split 2 (32.5 / 32.0), down 128 split 16 (19.8 / 21.4),
+    each within 1.5 us of the sweep's best. The four-warp tilings (wgmma) ran 30-90% slower at one row there:
+    Triton compiles M = 1 apart (an argument equal to 1 is specialized), and that kernel lost. A program's
+    time follows its count of K steps (run 84: 1.3 us a step at one program a multiprocessor), so the splits
+    keep several programs a multiprocessor in flight. From 17 rows: four warps, two programs a multiprocessor
+    (run 84)."""
     block_k = step_k(group)
     block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
     tiles_m = triton.cdiv(m, block_m)
-    # A long K loop (down_proj's 112 steps) at up to 16 rows: 128-row tiles split 16 ways (7 steps a program;
-    # run 84: 20.3 / 22.7 us at 1 / 16 rows against 64-row tiles split 8 ways' 23.7 / 26.1). A program's time
-    # follows its count of K steps (1.3 us a step at one program a multiprocessor), not its bytes.
-    long_k = k // block_k >= 64 and m <= 16
+    few = m <= 16
+    long_k = k // block_k >= 64 and few  # down_proj's 112 steps: 128-row tiles, up to 16 splits
     block_n = 128 if triton.cdiv(n, 128) * tiles_m >= sms or long_k else 64
-    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms, most=16 if long_k else 8)
-    return block_m, block_n, block_k, split, 4, 3
+    most = 16 if long_k else 8
+    split = _split(triton.cdiv(n, block_n) * tiles_m, k, block_k, sms, most=most, per_sm=3 if few else 2)
+    return block_m, block_n, block_k, split, 2 if few else 4, 3
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
@@ -544,10 +528,8 @@ def _launch(
     warps: int,
     stages: int,
     dot: bool,
-    join: bool | None = None,
 ) -> torch.Tensor:
-    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways; `join`:
-    the INT4 tensor-core step as one dot (default `INT4_JOIN`)."""
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
@@ -570,7 +552,6 @@ def _launch(
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
-        JOIN=dot and w.bits == 4 and (INT4_JOIN if join is None else join),
     )  # fmt: skip
     return y
 
@@ -597,17 +578,15 @@ def wint_gemm(
     w: IntWeight,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
-    join: bool | None = None,
 ) -> torch.Tensor:
     """As `wint_gemv`, for any row count (tensor cores; meant for up to 64 rows): `[M, N]` in x's dtype.
-    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages), default `gemm_config`; `join`: INT4's
-    step as one dot (default `INT4_JOIN`)."""
+    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages), default `gemm_config`."""
     m, k = x.shape
     sms = num_sms(x.device) if x.is_cuda else 132
     block_m, block_n, block_k, split, warps, stages = config or gemm_config(
         m, w.qweight.shape[0], k, w.group, sms
     )
-    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True, join=join)
+    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True)
 
 
 def wint_dequantize(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:

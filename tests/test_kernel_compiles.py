@@ -297,7 +297,6 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "HAS_ZERO": bits == 4,
         "HAS_BIAS": False,
         "SPLIT": False,
-        "JOIN": False,
         "BLOCK_K": 128,
         "ASM": bits == 4,
         "USE_PDL": True,
@@ -326,17 +325,7 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         assert "wgmma" in gemm.asm["ptx"]
         if bits == 4:  # the codes become bf16 pairs by the inline PTX
             assert "prmt.b32" in gemm.asm["ptx"] and "fma.rn.bf16x2" in gemm.asm["ptx"]
-    if bits == 4:  # the step as one dot: one wait for the step's wgmma chain, not one a code position
-        plain = _lowbit_compile(
-            "_wint_kernel",
-            base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False},
-        ).asm["ptx"]
-        joined = _lowbit_compile(
-            "_wint_kernel",
-            base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False, "JOIN": True},
-        ).asm["ptx"]
-        assert plain.count("wgmma.wait_group") >= 8 > joined.count("wgmma.wait_group") >= 1
-    # two warps: the tensor cores through mma.sync (no wgmma, no shared-memory fence a code position)
+    # two warps (the default up to 16 rows): the tensor cores through mma.sync (no wgmma)
     gemm = _lowbit_compile(
         "_wint_kernel",
         base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False, "SPLIT": True},

@@ -73,24 +73,21 @@ def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
 
 @pytest.mark.parametrize("bits, group, symmetric", CASES)
 def test_gemm_matches_dequantized_product(bits: int, group: int, symmetric: bool) -> None:
-    """Transposed (row tiles under 64) and plain tiles, K split or not, fp16 and float32; INT4's step as one
-    dot over its codes joined back into column order too."""
+    """Transposed (row tiles under 64) and plain tiles, K split or not, two to four warps, fp16 and float32."""
     m, n, k = 19, 40, 2 * group * 2
     x, q, bias = operands(m, n, k, bits, group, symmetric, torch.float16, seed=bits + group)
     block_k = gemm_config(m, n, k, group)[2]
-    for cfg, join in [
-        ((32, 32, block_k, 1, 4, 2), False),
-        ((16, 64, block_k, 2, 4, 2), False),
-        ((64, 16, block_k, 4, 4, 1), False),
-        ((16, 64, block_k, 2, 4, 2), True),
-        ((64, 16, block_k, 1, 4, 1), True),
+    for cfg in [
+        (32, 32, block_k, 1, 4, 2),
+        (16, 64, block_k, 2, 4, 2),
+        (64, 16, block_k, 4, 4, 1),
+        (16, 64, block_k, 4, 2, 3),
     ]:
-        y = wint_gemm(x, q, bias=bias, config=cfg, join=join)
+        y = wint_gemm(x, q, bias=bias, config=cfg)
         assert y.dtype == torch.float16
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
     xf = x.float()
     torch.testing.assert_close(wint_gemm(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(wint_gemm(xf, q, join=True).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits, group, symmetric", CASES[:3])
@@ -111,8 +108,9 @@ def test_dispatch_by_rows_matches_the_reference() -> None:
 
 def test_configs_at_the_8b_shapes() -> None:
     """The GEMV: 64 rows a program, one group a step, K split 8 ways on narrow outputs and 4 on gate_up (run
-    81's sweep); the tensor-core kernel splits K up to 8 ways where the tiles leave multiprocessors idle, and
-    down_proj's long K loop 16 ways over 128-row tiles at up to 16 rows (run 84's sweep)."""
+    81's sweep); the tensor-core kernel splits K up to 8 ways where the tiles leave multiprocessors idle (three
+    programs a multiprocessor, two warps, up to 16 rows: run 87's sweep), and down_proj's long K loop 16 ways
+    over 128-row tiles at up to 16 rows (run 84's sweep)."""
     assert gemv_config(1, 4096, 14336, 128) == (64, 128, 8, 4)  # down_proj
     assert gemv_config(1, 28672, 4096, 128) == (64, 128, 4, 4)  # gate_up
     assert gemv_config(1, 6144, 4096, 128) == (64, 128, 8, 4)
@@ -120,6 +118,7 @@ def test_configs_at_the_8b_shapes() -> None:
     assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
     assert gemm_config(1, 4096, 14336, 128)[:4] == (16, 128, 128, 16)  # down: a long K loop (run 84)
     assert gemm_config(32, 4096, 14336, 128)[:4] == (32, 64, 128, 8)
-    assert gemm_config(1, 6144, 4096, 128)[:4] == (16, 64, 128, 4)
+    assert gemm_config(1, 6144, 4096, 128) == (16, 64, 128, 8, 2, 3)  # qkv
+    assert gemm_config(32, 6144, 4096, 128) == (32, 64, 128, 4, 4, 3)  # from 17 rows: four warps
     assert gemm_config(1, 28672, 4096, 128)[:4] == (16, 128, 128, 2)
     assert gemm_config(64, 28672, 4096, 128)[:4] == (64, 128, 128, 2)
