@@ -1,6 +1,7 @@
 """Neox-style rotary embedding of q and k: one program per token, every head of both in one pass; and the same
 fused with the KV cache write (the rotated keys and the values go straight into their slots, quantized there
-when the cache is FP8)."""
+when the cache is FP8), optionally after a per-head RMSNorm of q and k (Qwen3's and Gemma 3's q/k norms: a
+head's row is in registers already, so the norm costs no launch and no trip through memory)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,28 @@ def _rotate_heads(
     scale,
     FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
+    norm_ptr=None,
+    eps=0.0,
+    NORM: tl.constexpr = False,
 ):
     """Rotate the first and second halves of every head of token t by the angles whose cos/sin are given, into
     row t of o_ptr (nothing is read or written unless `store`); with FP8, quantized with `scale` after the
-    rounding to x's dtype (as the rotary embedding, then the cache write, would store them)."""
+    rounding to x's dtype (as the rotary embedding, then the cache write, would store them). NORM: each head
+    first RMS-normalised over its 2 * HALF dims, times the weight at norm_ptr, in float32 and rounded to x's
+    dtype, as `ops.rms_norm` stores it for the rotation to read."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     ok = (heads[:, None] < n_heads) & (cols[None, :] < HALF) & store
     x_lo = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(x_lo, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_lo + HALF, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, 1) / (2 * HALF) + eps)[:, None]
+        c_ok = cols[None, :] < HALF
+        w1 = tl.load(norm_ptr + cols[None, :], mask=c_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + cols[None, :], mask=c_ok, other=0.0).to(tl.float32)
+        x1 = (x1 * rstd * w1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd * w2).to(x_ptr.dtype.element_ty).to(tl.float32)
     o_lo = o_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
     lo = x1 * cos - x2 * sin
     hi = x2 * cos + x1 * sin
@@ -194,6 +207,9 @@ def _rotary_write_kv_kernel(
     v_cache_ptr,
     k_scale,
     v_scale,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     n_q_heads,
     n_k_heads,
     stride_qt,
@@ -216,23 +232,25 @@ def _rotary_write_kv_kernel(
     FP8: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One token: its q heads rotated into q_out; its k heads rotated and its v heads copied into its cache slot
-    (none when the slot is negative), quantized with `k_scale` and `v_scale` into an FP8 cache."""
+    (none when the slot is negative), quantized with `k_scale` and `v_scale` into an FP8 cache. NORM: q's and
+    k's heads RMS-normalised first (weights at q_norm_ptr and k_norm_ptr, `eps`)."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cos, sin = _cos_sin(pos_ptr, cache_ptr, t, stride_c, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
-        BLOCK_HALF, True, 1.0, False, False,
+        BLOCK_HALF, True, 1.0, False, False, q_norm_ptr, eps, NORM,
     )  # fmt: skip
     # The slot as row 0 of the cache, its heads strided: the rotated keys land where the write would put them.
     in_cache = slot >= 0
     slot_off = tl.where(in_cache, (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct, 0)
     _rotate_heads(
         k_ptr, k_cache_ptr + slot_off, t, stride_kt, stride_kh, 0, stride_ch, n_k_heads, cos, sin, HALF, BLOCK_HK,
-        BLOCK_HALF, in_cache, k_scale, FP8, INTERPRET,
+        BLOCK_HALF, in_cache, k_scale, FP8, INTERPRET, k_norm_ptr, eps, NORM,
     )  # fmt: skip
     heads = tl.arange(0, BLOCK_HK)
     dims = tl.arange(0, 2 * BLOCK_HALF)
@@ -254,15 +272,19 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q rotated (a new tensor); k rotated and v written into `kv_layer` at `slot_mapping`, in one launch
-    (semantics: `ops.ref_rotary_embedding`, then `ops.ref_write_kv` of the rotated k)."""
+    (semantics: `ops.ref_rotary_embedding`, then `ops.ref_write_kv` of the rotated k). `qk_norm`: (q's norm
+    weight, k's, eps `[D]`): each head of q and k RMS-normalised first (`ops.ref_rms_norm` of its rows)."""
     args = _launch_args(q, k, cos_sin_cache)
     assert v.stride(-1) == 1 and kv_layer.stride(-1) == 1
     num_tokens, n_q_heads, n_k_heads = q.shape[0], q.shape[1], k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens:
         k_cache, v_cache = kv_layer[0], kv_layer[1]
+        q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
+        assert qk_norm is None or q_norm.shape == k_norm.shape == (q.shape[2],)
         _rotary_write_kv_kernel[(num_tokens,)](
             positions,
             slot_mapping,
@@ -275,6 +297,9 @@ def rotary_write_kv(
             v_cache,
             float(k_scale),
             float(v_scale),
+            q_norm,
+            k_norm,
+            float(eps),
             n_q_heads,
             n_k_heads,
             q.stride(0),
@@ -292,6 +317,7 @@ def rotary_write_kv(
             BLOCK_SIZE=kv_layer.shape[2],
             FP8=kv_layer.dtype == torch.float8_e4m3fn,
             INTERPRET=INTERPRET,
+            NORM=qk_norm is not None,
             **args,
             **pdl_options(q),
         )

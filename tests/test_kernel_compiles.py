@@ -56,12 +56,15 @@ def test_bitmask_kernel_compiles_for_hopper() -> None:
     assert "cubin" in compile_bitmask_kernel().asm
 
 
-def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_write_kv_kernel_compiles_for_hopper(norm: bool) -> None:
+    """The fused rotary + KV write, with and without the per-head q/k norms (Gemma 3's head_dim 256)."""
     from tinypaged.kernels.rotary import _rotary_write_kv_kernel
 
     pointers = {
         "pos_ptr": "*i32", "slot_ptr": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
         "cache_ptr": "*fp32", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+        "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32",
     }  # fmt: skip
     ints = [
         "n_q_heads", "n_k_heads", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
@@ -69,20 +72,22 @@ def test_rotary_write_kv_kernel_compiles_for_hopper() -> None:
     ]  # fmt: skip
     constexprs = {
         "BLOCK_SIZE": 16,
-        "HALF": 64,
-        "BLOCK_HALF": 64,
-        "BLOCK_HQ": 32,
-        "BLOCK_HK": 8,
+        "HALF": 128 if norm else 64,
+        "BLOCK_HALF": 128 if norm else 64,
+        "BLOCK_HQ": 8 if norm else 32,
+        "BLOCK_HK": 4 if norm else 8,
         "FP8": False,
         "INTERPRET": False,
         "USE_PDL": True,
+        "NORM": norm,
     }
-    scales = {"k_scale": "fp32", "v_scale": "fp32"}
+    scales = {"k_scale": "fp32", "v_scale": "fp32", "eps": "fp32"}
     signature = pointers | scales | dict.fromkeys(ints, "i64") | dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=_rotary_write_kv_kernel, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in kernel.asm
     assert "griddepcontrol.wait" in kernel.asm["ptx"]
+    assert ("rsqrt" in kernel.asm["ptx"] or "sqrt" in kernel.asm["ptx"]) == norm
 
 
 def test_gemv_kernel_compiles_for_hopper() -> None:
@@ -116,7 +121,7 @@ _PDL_KERNELS = {
     "rotary._rotary_kernel": {"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8},
     "rotary._rotary_write_kv_kernel": {
         "BLOCK_SIZE": 16, "HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "FP8": False,
-        "INTERPRET": False,
+        "INTERPRET": False, "NORM": False,
     },
     "attention._paged_attn_kernel": {
         "G": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 16, "DECODE": True,

@@ -189,9 +189,15 @@ def ref_rotary_write_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     memo: dict | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q and k rotated (`ref_rotary_embedding`), the rotated k and v written at `slot_mapping` (`ref_write_kv`);
-    returns the rotated q."""
+    returns the rotated q. `qk_norm` (q's norm weight, k's, eps): each head of q and k RMS-normalised first
+    (`ref_rms_norm` of its `[D]` rows: Qwen3's and Gemma 3's q/k norms)."""
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        q = ref_rms_norm(q.reshape(-1, q.shape[-1]), q_w, eps).view(q.shape)
+        k = ref_rms_norm(k.reshape(-1, k.shape[-1]), k_w, eps).view(k.shape)
     q, k = ref_rotary_embedding(positions, q, k, cos_sin_cache, memo)
     ref_write_kv(k, v, kv_layer, slot_mapping, k_scale, v_scale, memo)
     return q
@@ -547,16 +553,18 @@ def rotary_write_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     memo: dict | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of q (returned) and k, with the rotated keys and the values written into their slots
     (`ref_rotary_embedding`, then `ref_write_kv`): the attention reads the new keys from the cache. `memo`: the
-    step's (`AttentionMetadata.memo`), for the torch reference."""
+    step's (`AttentionMetadata.memo`), for the torch reference. `qk_norm`: (q's norm weight, k's, eps), each
+    head of q and k RMS-normalised first (on the GPU in the same launch: no norm launches, no round trip)."""
     args = (positions, q, k, v, cos_sin_cache, kv_layer, slot_mapping, k_scale, v_scale)
     if uses_triton(q):
         from tinypaged.kernels import rotary_write_kv as kernel
 
-        return kernel(*args)
-    return ref_rotary_write_kv(*args, memo=memo)
+        return kernel(*args, qk_norm=qk_norm)
+    return ref_rotary_write_kv(*args, memo=memo, qk_norm=qk_norm)
 
 
 def write_kv(

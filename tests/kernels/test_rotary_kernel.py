@@ -62,6 +62,41 @@ def test_rotary_write_kv(dtype: torch.dtype, head_dim: int, heads: tuple[int, in
     assert got_kv.flatten(1, 2)[:, untouched].equal(kv.flatten(1, 2)[:, untouched])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype", "head_dim"),
+    [
+        (torch.float32, torch.float32, 64),
+        (torch.float16, torch.float16, 32),
+        (torch.float16, torch.float32, 80),
+    ],
+)
+def test_rotary_write_kv_with_qk_norm(dtype: torch.dtype, weight_dtype: torch.dtype, head_dim: int) -> None:
+    """Per-head q/k RMSNorm in the same launch (Qwen3's weights in the model's dtype; Gemma 3's 1 + w kept in
+    float32; a head_dim that is no power of two): as `ref_rms_norm` of each head's row, rounded to the model's
+    dtype, then the rotary and the write; q and k on strided views of one qkv row, as the model passes them."""
+    n_q, n_kv = 4, 2
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = (torch.randn(9, n_q + 2 * n_kv, head_dim, generator=gen) * 3).to(dtype)
+    q, k, v = qkv[:, :n_q], qkv[:, n_q : n_q + n_kv], qkv[:, n_q + n_kv :]
+    norms = (
+        (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype),
+        (torch.rand(head_dim, generator=gen) + 0.5).to(weight_dtype),
+        1e-6,
+    )
+    positions = torch.randint(0, 500, (9,), generator=gen)
+    cache = cos_sin_cache(512, head_dim)
+    kv = torch.zeros(2, 4, 4, n_kv, head_dim, dtype=dtype)
+    slots = torch.randperm(16, generator=gen)[:9].to(torch.int32)
+    want_kv, got_kv = kv.clone(), kv.clone()
+    want_q = ops.ref_rotary_write_kv(positions, q, k, v, cache, want_kv, slots, qk_norm=norms)
+    got_q = tk.rotary_write_kv(positions, q, k, v, cache, got_kv, slots, qk_norm=norms)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=0)
+    torch.testing.assert_close(got_kv, want_kv, atol=tol, rtol=0)
+    plain = ops.ref_rotary_write_kv(positions, q, k, v, cache, kv.clone(), slots)
+    assert (plain - want_q).abs().max() > 0.1  # the norm did something
+
+
 @pytest.mark.parametrize(("dtype", "scales"), [(torch.float32, (1.0, 1.0)), (torch.float16, (0.05, 3.0))])
 def test_rotary_write_kv_fp8(dtype: torch.dtype, scales: tuple[float, float]) -> None:
     """Into an FP8 cache: the bytes of the reference's rotary (rounded to the model's dtype) then quantization

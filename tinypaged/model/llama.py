@@ -140,15 +140,23 @@ class Attention(Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        # Per-head q/k norms (Qwen3, Gemma 3) run inside the rotary launch, which holds each head's row.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         q = ops.rotary_write_kv(
-            positions, q, k, v, cos_sin_cache, kv_layer, meta.slot_mapping, **scales, memo=meta.memo
+            positions,
+            q,
+            k,
+            v,
+            cos_sin_cache,
+            kv_layer,
+            meta.slot_mapping,
+            **scales,
+            memo=meta.memo,
+            qk_norm=norms,
         )
         out = ops.paged_attention(
             q,
