@@ -316,7 +316,9 @@ def print_table(res: dict[str, Any]) -> None:
             + f"; TTFT {lat['ttft']['prompt_len']} tokens: {lat['ttft']['median_ms']:.1f} ms "
             f"(compute floor {lat['ttft']['compute_floor_ms']:.1f} ms)"
         )
-    if "check" in res:
+    if "check" in res and "error" in res["check"]:
+        lines.append(f"numerics: the check failed: {res['check']['error']}")
+    elif "check" in res:
         c = res["check"]
         lines.append(
             f"numerics: greedy Triton == torch-ref: {c['greedy_equal']}, graphs == eager: "

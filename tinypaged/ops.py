@@ -340,8 +340,8 @@ def ref_paged_attention(
             enable_gqa=True,
         )
         o = (o[:, :, 0, :] if part.rows is not None else o[0].transpose(0, 1)).to(q.dtype)
-        if whole:
-            return o
+        if whole:  # contiguous: SDPA's CUDA kernels leave one sequence's rows strided, and callers view them
+            return o.contiguous()
         if out is None:
             out = torch.empty_like(q)
         if part.rows is not None:
