@@ -270,7 +270,7 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
     """The default model on the CPU: copy-heavy and random-token speedups, the INT4 copy's real acceptance."""
     model = None
     if args.served_gguf:  # the default model as `make serve` runs it on a CPU: its Q4_1 GGUF, kept quantized
-        from tinypaged.weights.fetch import default_gguf_path
+        from tinypaged.weights import default_gguf_path
 
         model = str(default_gguf_path())
     llm = LLM(model=model, speculative_config=NGRAM, seed=0)
