@@ -31,6 +31,7 @@ from common import (
     run_latency,
     write_json,
 )
+from host_time import host_profile, print_host_profile, request_steps
 
 from tinypaged import LLM
 
@@ -57,11 +58,18 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--check", action="store_true", help="numerics: Triton vs torch reference vs HF")
     ap.add_argument("--profile", action="store_true", help="kernel time of batch-1 decode steps (graphs)")
+    ap.add_argument(
+        "--host-profile", action="store_true", help="cProfile of batch-1 decode steps (host_time.py)"
+    )
+    ap.add_argument("--quantization", default=None, help="e.g. fp8, int4, int8 (the engine's setting)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=16)
+    llm = LLM(
+        model=args.model, max_model_len=args.max_model_len, max_num_seqs=16, quantization=args.quantization
+    )
     result: dict[str, Any] = {
         "model": args.model,
+        "quantization": args.quantization,
         "device": device_name(),
     }
     if args.check:
@@ -69,6 +77,11 @@ def main() -> None:
     result["latency"] = run_latency(llm, args.prompt_len, args.gen_tokens)
     if args.profile:
         result["profile_batch1"] = profile_batch1(llm, args.prompt_len)
+    if args.host_profile:
+        rng = np.random.default_rng(5)
+        prompt = random_prompt(rng, args.prompt_len, llm.config.model_config.vocab_size)
+        run = request_steps(llm, prompt, greedy(args.gen_tokens), "hprof")
+        result["host_profile"] = host_profile(llm, run)
     if args.check:
         free_llm(llm)
         result["check_fp32"] = fp32_greedy_check(args.model)
@@ -92,6 +105,8 @@ def main() -> None:
         )
         for k, t in w["top_kernels_s"][:8]:
             print(f"  {1e3 * t / w['steps']:.3f} ms/step  {k}")
+    if "host_profile" in result:
+        print_host_profile("batch-1 decode", result["host_profile"])
     if args.out:
         write_json(args.out, result)
 

@@ -38,6 +38,9 @@ GPU part (an H200; a random-weight 8B target, bf16, batch 1, prompt 512 random t
 - **verification row cost**: the oracle at alpha 0 (every proposal wrong), k = 1 and 4, batch 1: one more verified
   row's cost in one-row steps, the acceptance switch's `VERIFY_ROW_COST["cuda"]` (an estimate until then).
   These GPU tables run with the switch off (a fixed k).
+- **host profile** (`host_time.py`): the same request under cProfile, decode-only and speculative, the longest
+  functions per step; and the decode graph's (batch 1) and the 16-token mixed graph's launch alone: the host
+  time of `replay()` against the device's.
 - **step profile**: batch 1, k = 4, alpha 0.8, against the same request without speculation: the median of each
   StepStats phase, of the forward pass's device time and of the wall time between steps, for decode and for
   verification steps: whether a verification's extra cost (1.7x a decode step in run 74) is the device's
@@ -56,8 +59,10 @@ from typing import Any
 import numpy as np
 import torch
 from common import free_llm, greedy, header, random_prompt, write_json
+from host_time import graph_launch, host_profile, print_host_profile, request_steps
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.engine.device.model_runner import GraphChoice
 from tinypaged.engine.speculative.proposers import OracleProposer
 
 PARAGRAPHS = [
@@ -469,6 +474,16 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": step_profile(llm, prompts[0], args.gen_tokens, True),
     }
     print(f"step profile (medians, seconds): {res['step_profile']}", flush=True)
+    res["host_profile"] = {}
+    for kind, speculate in (("decode_only", False), ("speculative", True)):
+        speculator.active = speculate
+        llm.reset_prefix_cache()
+        run = request_steps(llm, prompts[0], greedy(args.gen_tokens), f"hprof-{kind}")
+        res["host_profile"][kind] = host_profile(llm, run)
+        print_host_profile(kind, res["host_profile"][kind])
+    res["graph_launch"] = graph_launch(llm, [GraphChoice(batch_size=1), GraphChoice(num_tokens=16)])
+    llm.reset_prefix_cache()
+    print(f"graph launch (us, medians): {res['graph_launch']}", flush=True)
     res["kernel_profile"] = {
         "decode_only": kernel_profile(llm, prompts[0], args.gen_tokens, False),
         "speculative": kernel_profile(llm, prompts[0], args.gen_tokens, True),
