@@ -8,6 +8,10 @@ BLOCK_M x BLOCK_N tile of the output and streams its BLOCK_N weight rows along K
 bias are applied once, in the epilogue. Up to 32 token rows the tile is computed transposed, so that the FP8
 tensor-core instruction takes the weight rows as its 64-row side (see `default_config`).
 
+The same kernel, unscaled (`SCALED` off), multiplies bf16 or fp16 operands at a few rows (`skinny_matmul`): a
+verification step's 5-16 rows, small decode batches. cuBLAS reads the weights at 16 rows as fast as at 1, but
+its kernels launch without programmatic dependent launch, and several split K with a second reduce launch.
+
 Split-K, deterministic. A layer of 4,096 weight rows makes only 64 tiles of 64 rows: too few programs to keep
 132 multiprocessors reading. So such a layer's K is cut into pieces of `k_split` columns, one program a tile
 and piece. Each writes its float32 partial sums to a workspace and counts itself in on the tile's counter; the
@@ -52,11 +56,13 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of y: the FP8 products summed in float32 over K (SPLIT: over piece
     program_id(2) of K_SPLIT columns, the pieces then added by the tile's last program), scaled per row and
-    column, the bias added. SWAP_AB: the tile computed transposed (row tiles under 64)."""
+    column (SCALED; else bf16 or fp16 products, unscaled), the bias added. SWAP_AB: the tile computed
+    transposed (row tiles under 64)."""
     # Row tiles fastest: the programs that read the same weight rows run side by side (the weight from the L2).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,9 +100,11 @@ def _fp8_gemm_kernel(
         tile = pid_n * tl.num_programs(0) + pid_m
         last, acc = split_sum(acc, part, row_ok[:, None] & col_ok[None, :], M * N, count_ptr + tile)
         if last:
-            _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
+            _epilogue(
+                acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS, SCALED
+            )
     else:
-        _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS)
+        _epilogue(acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS, SCALED)
 
 
 @triton.jit
@@ -121,12 +129,25 @@ def split_sum(acc, part, ok, piece_stride, counter):
 
 @triton.jit
 def _epilogue(
-    acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS: tl.constexpr
+    acc,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    xs_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """A tile's float32 sums scaled per row and column, plus the bias, stored in y's dtype."""
-    sx = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-    sw = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
-    y = acc * sx[:, None] * sw[None, :]
+    """A tile's float32 sums scaled per row and column (SCALED), plus the bias, stored in y's dtype."""
+    y = acc
+    if SCALED:
+        sx = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+        sw = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
+        y = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
@@ -167,6 +188,17 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, in
     return 128, 128 if wide else 64, block_k, 8, stages, k_split
 
 
+def skinny_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """`default_config`'s counterpart for bf16 or fp16 operands at up to 32 rows, from the H200 sweep of the 8B
+    layers (benchmarks/skinny_matmul.py, run 94): the tile transposed, 64 weight rows by the rows rounded up to
+    16; K split for about one program a multiprocessor, not two (a K step of bf16 reads twice an FP8 step's
+    bytes): QKV whole, O and down_proj in two pieces; five pipeline stages, four on the wide layers."""
+    block_k = 128 if k >= 128 else max(32, triton.next_power_of_2(k))
+    stages = 4 if triton.cdiv(n, 64) >= 2 * sms else 5
+    k_split = split_k(n, k, sms, block_k, programs_per_sm=1)
+    return max(16, triton.next_power_of_2(m)), 64, block_k, 4, stages, k_split
+
+
 def tile_counters(device: torch.device) -> torch.Tensor:
     """The device's split-launch tile counters: zero between launches (each tile's last program resets its own)."""
     if device not in _counters:
@@ -188,15 +220,46 @@ def fp8_gemm(
     `out_dtype`, summed in float32 (semantics: `model.quant.fp8.ref_fp8_linear` on the dequantized values).
     Rows of xq and wq contiguous. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, k_split),
     default `default_config`; k_split a multiple of BLOCK_K, 0 for no split."""
-    m, k = xq.shape
-    n = wq.shape[0]
-    assert wq.shape[1] == k and xq.stride(1) == 1 and wq.stride(1) == 1
-    assert x_scale.numel() == m and w_scale.numel() == n and (bias is None or bias.shape == (n,))
-    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    assert x_scale.numel() == xq.shape[0] and w_scale.numel() == wq.shape[0]
+    return _launch(xq, wq, bias, out_dtype, config, (x_scale, w_scale))
+
+
+def skinny_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`x @ weight^T + bias` for bf16 or fp16 x `[M, K]` and weight `[N, K]` (rows contiguous), summed in float32
+    and stored in x's dtype: the FP8 matmul's kernel unscaled, for a few rows (`ops.linear` sends it 2-16).
+    Up to 16 rows a row's sums are taken in the same order at every row count (the tile and the split depend on
+    the layer's shape only), so a row alone and within a batch get the same bits. `config` as `fp8_gemm`'s,
+    default `skinny_config` up to 32 rows."""
+    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+    m, k = x.shape
+    if config is None and m <= 32:
+        config = skinny_config(m, weight.shape[0], k, num_sms(x.device) if x.is_cuda else 132)
+    return _launch(x, weight, bias, x.dtype, config, None)
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int, int, int, int] | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The kernel over x `[M, K]` and w `[N, K]`, with per-row and per-column `scales` or none."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    assert bias is None or bias.shape == (n,)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     if config is None:
-        config = default_config(m, n, k, num_sms(xq.device) if xq.is_cuda else 132)
+        config = default_config(m, n, k, num_sms(x.device) if x.is_cuda else 132)
     block_m, block_n, block_k, warps, stages, k_split = config
     assert k_split % block_k == 0
     pieces = triton.cdiv(k, k_split) if k_split else 1
@@ -204,17 +267,18 @@ def fp8_gemm(
     if pieces > 1:
         assert grid[0] * grid[1] <= MAX_TILES and pieces * m * n < 2**31
         part, counters = (
-            torch.empty((pieces, m, n), dtype=torch.float32, device=xq.device),
-            tile_counters(xq.device),
+            torch.empty((pieces, m, n), dtype=torch.float32, device=x.device),
+            tile_counters(x.device),
         )
     else:
         part = counters = y
+    x_scale, w_scale = scales if scales is not None else (y, y)
     _fp8_gemm_kernel[grid](
-        xq,
+        x,
         x_scale,
-        wq,
+        w,
         w_scale,
-        bias if bias is not None else w_scale,
+        bias if bias is not None else y,
         y,
         part,
         counters,
@@ -222,8 +286,8 @@ def fp8_gemm(
         n,
         k,
         k_split,
-        xq.stride(0),
-        wq.stride(0),
+        x.stride(0),
+        w.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
@@ -231,8 +295,9 @@ def fp8_gemm(
         BLOCK_K=block_k,
         SWAP_AB=block_m < 64,
         SPLIT=pieces > 1,
+        SCALED=scales is not None,
         num_warps=warps,
         num_stages=stages,
-        **pdl_options(xq),
+        **pdl_options(x),
     )
     return y

@@ -255,7 +255,7 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
 
     block_m, block_n, block_k, warps, stages, _ = default_config(rows, 4096 if split else 28672, 4096)
     constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": split, "USE_PDL": True}
+    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": split, "SCALED": True, "USE_PDL": True}
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16"}
     types |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
@@ -273,6 +273,28 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
     assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx
     assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_skinny_matmul_runs_on_bf16_wgmma(rows: int) -> None:
+    """The unscaled kernel at a few bf16 rows (`skinny_matmul`, a verification's 5-16 rows): the transposed tile
+    reaches sm_90's wgmma on bf16 operands, split along K as the layer's shape says, and loads no scales."""
+    from tinypaged.kernels.fp8_gemm import _fp8_gemm_kernel, skinny_config
+
+    block_m, block_n, block_k, warps, stages, k_split = skinny_config(rows, 4096, 4096)
+    assert block_m == 16 and k_split
+    constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    constexprs |= {"SWAP_AB": True, "SPLIT": True, "SCALED": False, "USE_PDL": True}
+    types = {"xs_ptr": "*bf16", "ws_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+        for a in _fp8_gemm_kernel.arg_names
+    }
+    src = ASTSource(fn=_fp8_gemm_kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": warps, "num_stages": stages}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "bf16.bf16" in ptx
+    assert "griddepcontrol.wait" in ptx
 
 
 def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) -> Any:

@@ -36,6 +36,10 @@ _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
 # Steps of this many rows go through the Triton GEMV: on the H200 it beats cuBLAS at one row (batch-1 decode)
 # and loses to it at two and four on most of the 8B layers (benchmarks/kernel_speed.py --sections gemv).
 _GEMV_ROWS = 1
+# Steps of up to this many rows (bf16 or fp16) go through the Triton skinny matmul (`kernels/fp8_gemm.py`,
+# unscaled): a verification step's 5-16 rows, small decode batches (benchmarks/skinny_matmul.py).
+# TINYPAGED_SKINNY_ROWS=0 sends them to cuBLASLt (side-by-side measurements).
+_SKINNY_ROWS = int(os.environ.get("TINYPAGED_SKINNY_ROWS", "16"))
 # The CPU's float32 matmul at a few rows against a large weight (`_sliced_on_cpu`): input rows in this range go
 # slice by slice of this many output rows.
 _CPU_SLICED_ROWS = (4, 12)
@@ -501,13 +505,25 @@ def prefer_cublaslt() -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight^T + bias` for x `[T, K]`: a one-row step (batch-1 decode: a matrix-vector product, bound by
-    the weight's bytes) through the Triton GEMV, any other through torch's matmul (cuBLASLt on a GPU, see
-    `prefer_cublaslt`)."""
+    the weight's bytes) through the Triton GEMV, a step of a few bf16 or fp16 rows through the Triton skinny
+    matmul, any other through torch's matmul (cuBLASLt on a GPU, see `prefer_cublaslt`)."""
     rows = x.shape[0]
     if 0 < rows <= _GEMV_ROWS and uses_triton(x):
         from tinypaged.kernels import gemv
 
         return gemv(x, weight, bias)
+    if (
+        0 < rows <= _SKINNY_ROWS
+        and x.is_cuda  # not under the interpreter, whose dots take bf16 as raw bits
+        and uses_triton(x)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    ):
+        from tinypaged.kernels.fp8_gemm import skinny_matmul
+
+        return skinny_matmul(x, weight, bias)
     if _CPU_SLICED_ROWS[0] <= rows <= _CPU_SLICED_ROWS[1] and _sliced_on_cpu(x, weight, bias):
         out = x.new_empty(rows, weight.shape[0])
         for w, o in zip(weight.split(_CPU_SLICE), out.split(_CPU_SLICE, dim=1), strict=True):

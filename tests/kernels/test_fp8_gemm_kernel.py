@@ -1,11 +1,12 @@
-"""The FP8 matmul for small and middle batches against the float64 product of its dequantized operands."""
+"""The FP8 matmul for small and middle batches against the float64 product of its dequantized operands, and its
+unscaled form for a few bf16 or fp16 rows (`skinny_matmul`) against the float64 product."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm, split_k
+from tinypaged.kernels.fp8_gemm import default_config, fp8_gemm, skinny_config, skinny_matmul, split_k
 from tinypaged.model.quant import fp8
 
 
@@ -85,3 +86,32 @@ def test_split_k_follows_the_layer_not_the_row_count() -> None:
     assert split_k(4096, 4096) == 1024 and split_k(4096, 14336) == 3584 and split_k(6144, 4096) == 1408
     assert {default_config(m, 4096, 14336)[5] for m in (1, 5, 16, 17, 32)} == {3584}
     assert default_config(64, 4096, 4096)[5] == 2048 and default_config(128, 6144, 4096)[5] == 0
+
+
+@pytest.mark.parametrize("m, n, k, k_split", [(5, 48, 200, 0), (16, 72, 600, 256), (3, 33, 320, 64)])
+def test_skinny_matmul_matches_product_and_a_row_alone(m: int, n: int, k: int, k_split: int) -> None:
+    """Few rows, split along K or not: within the rounding of the one store of the float32 sums, and a row alone
+    gets the same bits as within the batch (what lets a verification's rows equal decode's). In fp16: Triton's
+    interpreter runs a bf16 dot on the raw bits (the H200 benchmark checks bf16, `skinny_matmul.py`)."""
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    cfg = (16, 32, min(k_split, 128) or 64, 4, 2, k_split)
+    for b in (None, bias):
+        y = skinny_matmul(x, w, b, config=cfg)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert y.dtype == dtype and y.shape == (m, n)
+        torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=2e-3)
+        assert torch.equal(skinny_matmul(x[2:3].clone(), w, b, config=cfg)[0], y[2])
+
+
+def test_skinny_config_splits_for_one_program_a_multiprocessor() -> None:
+    """bf16 at 1-16 rows (run 94's sweep): QKV and the wide layers whole, O and down_proj in two pieces, the
+    same tile and split at every row count up to 16; four stages on the wide layers, five elsewhere."""
+    assert {skinny_config(m, 6144, 4096) for m in (1, 5, 16)} == {(16, 64, 128, 4, 5, 0)}
+    assert skinny_config(5, 4096, 4096) == (16, 64, 128, 4, 5, 2048)
+    assert skinny_config(16, 4096, 14336) == (16, 64, 128, 4, 5, 7168)
+    assert skinny_config(8, 28672, 4096) == (16, 64, 128, 4, 4, 0)
+    assert skinny_config(2, 128256, 4096)[4:] == (4, 0)
