@@ -525,8 +525,37 @@ def gpu_part(args: argparse.Namespace) -> dict[str, Any]:
         }
         print(f"int4 self-draft k={k}: {by_k[k]}", flush=True)
     res["int4_self_draft"] = {"baseline_tokens_per_s": base["tokens_per_s"], "by_k": by_k}
+    res["int4_self_draft"]["graphs_vs_eager"] = draft_graphs_vs_eager(llm, solo[:1], args.gen_tokens // 2)
+    print(f"int4 self-draft, graphs against eager: {res['int4_self_draft']['graphs_vs_eager']}", flush=True)
     free_llm(llm)
     return res
+
+
+def draft_graphs_vs_eager(llm: LLM, prompts: list[Any], max_tokens: int) -> dict[str, Any]:
+    """The draft's CUDA graphs against its eager passes at k = 4, batch 1: with the oracle's proposals (the
+    speedup each gives over no speculation), then with the draft's own greedy proposals (the same proposals
+    either way: the same outputs and acceptance; they share the INT4 kernels' tilings up to 16 rows)."""
+    speculator = llm.engine.speculator
+    proposer = speculator.proposer
+    speculator.spec = replace(speculator.spec, num_speculative_tokens=4)
+    base = gpu_tokens_per_s(llm, prompts, max_tokens, False, one_at_a_time=True)
+    out: dict[str, Any] = {"baseline_tokens_per_s": base["tokens_per_s"]}
+    graphs = proposer._graphs  # noqa: SLF001 - a benchmark's switch
+    oracle = proposer.oracle
+    for name, oracle_on in (("oracle", True), ("own", False)):
+        proposer.oracle = oracle if oracle_on else None
+        runs = {}
+        for mode, g in (("graphs", graphs), ("eager", {})):
+            proposer._graphs = g  # noqa: SLF001
+            runs[mode] = gpu_tokens_per_s(llm, prompts, max_tokens, True, one_at_a_time=True)
+        proposer._graphs = graphs  # noqa: SLF001
+        out[name] = {
+            **{f"{m}_speedup": r["tokens_per_s"] / base["tokens_per_s"] for m, r in runs.items()},
+            **{f"{m}_acceptance": r["acceptance_rate"] for m, r in runs.items()},
+            "same_outputs": runs["graphs"]["outputs"] == runs["eager"]["outputs"],
+        }
+    proposer.oracle = oracle
+    return out
 
 
 def table(res: dict[str, Any]) -> str:
@@ -585,6 +614,15 @@ def table(res: dict[str, Any]) -> str:
                 lines.append(
                     f"  INT4 self-draft k={k}: {r['speedup']:.2f}x (accept {r['acceptance_rate']:.2f})"
                 )
+            ge = d.get("graphs_vs_eager", {})
+            for name in ("oracle", "own"):
+                if name in ge:
+                    r = ge[name]
+                    lines.append(
+                        f"  INT4 self-draft k=4, {name} proposals: graphs {r['graphs_speedup']:.2f}x, eager"
+                        f" {r['eager_speedup']:.2f}x (accept {r['graphs_acceptance']:.2f} /"
+                        f" {r['eager_acceptance']:.2f}, same outputs {r['same_outputs']})"
+                    )
     return "\n".join(lines)
 
 

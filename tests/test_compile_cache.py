@@ -119,7 +119,10 @@ def test_compile_only_turns_launches_into_compiles(monkeypatch: pytest.MonkeyPat
         seen.append((self.__name__, warmup, _async_compile.active_mode.get() is not None))
 
     monkeypatch.setattr(JITFunction, "run", run)
+    assert not compile_cache.compiling_only()
     with compile_cache.compile_only(workers=2):
+        assert compile_cache.compiling_only()  # a draft model captures no CUDA graph in a dry run
         _apply_bitmask_kernel[(1,)](None, 0, None, 0, None, 0, BLOCK=32)
+    assert not compile_cache.compiling_only()
     _apply_bitmask_kernel[(1,)](None, 0, None, 0, None, 0, BLOCK=32)
     assert seen == [("_apply_bitmask_kernel", True, True), ("_apply_bitmask_kernel", False, False)]

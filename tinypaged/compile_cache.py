@@ -141,6 +141,14 @@ def dry_run(run: Callable[[], object], what: str) -> None:
         logger.warning("%s: the parallel compiles failed (%s): compiling one at a time", what, e)
 
 
+_dry = False  # whether `compile_only` is active
+
+
+def compiling_only() -> bool:
+    """Whether a dry run (`compile_only`) is active: its launches run nothing, so nothing may be captured."""
+    return _dry
+
+
 @contextlib.contextmanager
 def compile_only(workers: int = 0) -> Iterator[None]:
     """While active, a Triton kernel's launch only submits its compile to a pool of `workers` threads (default:
@@ -162,8 +170,11 @@ def compile_only(workers: int = 0) -> Iterator[None]:
     workers = workers or max(1, min(16, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="tinypaged-compile") as pool:
         with AsyncCompileMode(pool, ignore_errors=True):
+            global _dry
             JITFunction.run = submit  # type: ignore[method-assign]
+            _dry = True
             try:
                 yield
             finally:
+                _dry = False
                 JITFunction.run = launch  # type: ignore[method-assign]
