@@ -207,12 +207,16 @@ class DraftModelProposer:
         for step in range(max(k for _, _, k in items)):
             logits = self._forward([mirrors[i] for i in active], [feed[i] for i in active])
             rows = [self._row(items[i][0], items[i][1], step) for i in active]
-            probs = target_probs(logits.float(), rows)
-            tokens = self._draw(probs, rows, [mirrors[i].num_tokens for i in active])
+            if all(r.params.greedy for r in rows):  # point masses: the argmax, q left implicit
+                probs, tokens = None, logits.argmax(dim=-1).tolist()
+            else:
+                probs = target_probs(logits.float(), rows)
+                tokens = self._draw(probs, rows, [mirrors[i].num_tokens for i in active])
             nxt = []
             for a, i in enumerate(active):
                 drafts[i].append(tokens[a])
-                qs[i].append(probs[a])
+                if probs is not None:
+                    qs[i].append(probs[a])
                 if len(drafts[i]) < items[i][2]:
                     mirrors[i].append_token(tokens[a])
                     feed[i] = [tokens[a]]
@@ -220,8 +224,10 @@ class DraftModelProposer:
             active = nxt
             if not active:
                 break
+        # A greedy draft's q is a point mass at each proposal: None says so (what verification assumes for it).
         out = {
-            seq.seq_id: Proposal(tuple(drafts[i]), torch.stack(qs[i])) for i, (_, seq, _) in enumerate(items)
+            seq.seq_id: Proposal(tuple(drafts[i]), torch.stack(qs[i]) if qs[i] else None)
+            for i, (_, seq, _) in enumerate(items)
         }
         if self.oracle is not None:  # the draft's cost kept, its proposals replaced (point masses)
             for _, seq, _ in items:
