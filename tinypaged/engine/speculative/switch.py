@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 # A verification step's cost beyond a decode step whatever its k, and one more verified row's cost, in one-row
-# decode steps at batch 1. CUDA: the H200 at batch 1 on the 8B shape (run 85, the oracle at alpha 0), a
-# verification step 1.37 and 1.42 decode steps at k = 1 and 4: a fixed 0.35 (the step runs in a mixed-step
-# graph of 16-row matmuls, its host work not overlapped; 0.66 in run 74, before its attention took the decode
-# launch) and 0.02 a row.
-VERIFY_STEP_COST = {"cuda": 0.35}
-VERIFY_ROW_COST = {"cuda": 0.02}
+# decode steps at batch 1. CUDA: the H200 at batch 1 on the 8B shape (runs 95-97, the oracle at alpha 0), a
+# verification step 1.14-1.24 decode steps at k = 1 and 1.16-1.19 at k = 4: a fixed 0.17 (the step runs in a
+# mixed-step graph of 16 rows, its host work not overlapped) and no measurable cost a row (0.005 kept, so that
+# the line rises with k). It was 0.35 and 0.02 before the 16-row matmuls left cuBLAS (run 85), 0.66 in run 74.
+VERIFY_STEP_COST = {"cuda": 0.17}
+VERIFY_ROW_COST = {"cuda": 0.005}
 # Measured tables, C(k) for k = 0, 1, ...: the CPU's, the default model (f32, 2 cores, quiet) by the oracle at
 # alpha 0 with the switch off, the median step over two prompts against the median decode step (32.4 ms) on
 # 2026-12-03 (benchmarks/HISTORY.md, "Verification's cost by k on the CPU"). Past the table, the last step's
