@@ -53,21 +53,29 @@ def graph_us(fn: Callable[[int], Any], copies: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def tilings(m: int, n: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
+def tilings(
+    m: int, n: int, k: int, block_ks: tuple[int, ...] = (128,)
+) -> list[tuple[int, int, int, int, int, int]]:
     """The Triton FP8 matmul's candidate tilings at m rows: 64- and 128-column tiles, K split into 1-8 pieces,
-    two pipeline depths; from 128 rows also 128-row tiles (eight warps)."""
+    two pipeline depths; from 128 rows also 128-row tiles (eight warps). `block_ks` other than (128,) (the
+    `--block-ks` sweep): each K step's width, with 16 pieces and four stages too."""
     out = []
     block_ms = [min(64, max(16, triton.next_power_of_2(m)))] + ([128] if m >= 128 else [])
-    iters = triton.cdiv(k, 128)
-    for bm, bn, pieces, stages in itertools.product(block_ms, (64, 128), (1, 2, 4, 8), (3, 5)):
-        k_split = 0 if pieces == 1 else triton.cdiv(iters, pieces) * 128
-        out.append((bm, bn, 128, 8 if bm == 128 else 4, stages, k_split))
+    wide = block_ks != (128,)
+    pieces_all, stages_all = ((1, 2, 4, 8, 16), (3, 4, 5)) if wide else ((1, 2, 4, 8), (3, 5))
+    for bk in block_ks:
+        iters = triton.cdiv(k, bk)
+        for bm, bn, pieces, stages in itertools.product(block_ms, (64, 128), pieces_all, stages_all):
+            if pieces > iters:
+                continue
+            k_split = 0 if pieces == 1 else triton.cdiv(iters, pieces) * bk
+            out.append((bm, bn, bk, 8 if bm == 128 else 4, stages, k_split))
     return out
 
 
-def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws) -> tuple[float, tuple, list]:
+def sweep(m: int, n: int, k: int, copies: int, xq, xs, ws, block_ks=(128,)) -> tuple[float, tuple, list]:
     rows = []
-    for cfg in tilings(m, n, k):
+    for cfg in tilings(m, n, k, block_ks):
         try:
             rows.append((graph_us(lambda i, c=cfg: fp8_gemm(xq, xs, *ws[i], config=c), copies), cfg))
         except Exception:  # a tiling past the shared memory: skipped
@@ -96,7 +104,16 @@ def matmul_rates(size: int = 8192) -> dict[str, float]:
     return {"size": size, "bf16_tflops": flop / bf16_ms / 1e9, "fp8_rowwise_tflops": flop / fp8_ms / 1e9}
 
 
-def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: bool) -> dict[str, Any]:
+def measure(
+    m: int,
+    n: int,
+    k: int,
+    copies: int,
+    ws: list,
+    wb: list,
+    sweep_too: bool,
+    block_ks: tuple[int, ...] = (128,),
+) -> dict[str, Any]:
     """Every path's time at m rows of one layer (weights `ws` E4M3 with scales, `wb` bf16, `copies` of each)."""
     dev = ws[0][0].device
     xq, xs = quantize_per_token(torch.randn(m, k, device=dev) * 3)
@@ -124,7 +141,7 @@ def measure(m: int, n: int, k: int, copies: int, ws: list, wb: list, sweep_too: 
     r["fp8_gemm_us"] = graph_us(lambda i: fp8_gemm(xq, xs, *ws[i]), copies)
     r["fp8_gemm_tbps"] = n * k / r["fp8_gemm_us"] / 1e6
     if sweep_too:
-        r["fp8_gemm_best_us"], r["fp8_gemm_best"], r["sweep"] = sweep(m, n, k, copies, xq, xs, ws)
+        r["fp8_gemm_best_us"], r["fp8_gemm_best"], r["sweep"] = sweep(m, n, k, copies, xq, xs, ws, block_ks)
     return r
 
 
@@ -132,6 +149,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--no-sweep", action="store_true", help="time the default tiling only")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts (default: 1-256)")
+    ap.add_argument(
+        "--block-ks",
+        type=int,
+        nargs="+",
+        default=[128],
+        help="K step widths to sweep (with 16 pieces, 4 stages)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     rates = matmul_rates()
@@ -142,8 +167,8 @@ def main() -> None:
         copies = int(3 * 60e6 // (n * k)) + 1
         ws = [quantize_per_channel(torch.randn(n, k, device=dev) / k**0.5) for _ in range(copies)]
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-        for m in ROWS:
-            r = {"layer": name, **measure(m, n, k, copies, ws, wb, not args.no_sweep)}
+        for m in args.rows:
+            r = {"layer": name, **measure(m, n, k, copies, ws, wb, not args.no_sweep, tuple(args.block_ks))}
             res.append(r)
             write_json(args.json, res)
     print(

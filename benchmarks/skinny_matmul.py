@@ -41,20 +41,23 @@ ROWS = (1, 2, 4, 5, 8, 16, 32)
 SWEEP_ROWS = (1, 5, 16)
 
 
-def tilings(m: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
-    """Candidate tilings at m rows (up to 32): 64- and 128-column tiles, K in 1-16 pieces, 3-5 stages."""
+def tilings(m: int, k: int, block_ks: tuple[int, ...] = (128,)) -> list[tuple[int, int, int, int, int, int]]:
+    """Candidate tilings at m rows (up to 32): 64- and 128-column tiles, K in 1-16 pieces of `block_ks`-wide
+    steps, 3-5 stages."""
     block_m = max(16, triton.next_power_of_2(m))
-    iters = triton.cdiv(k, 128)
     out = []
-    for bn, pieces, stages in itertools.product((64, 128), (1, 2, 4, 8, 16), (3, 4, 5)):
+    for bk, bn, pieces, stages in itertools.product(block_ks, (64, 128), (1, 2, 4, 8, 16), (3, 4, 5)):
+        iters = triton.cdiv(k, bk)
         if pieces > iters:
             continue
-        k_split = 0 if pieces == 1 else triton.cdiv(iters, pieces) * 128
-        out.append((block_m, bn, 128, 4, stages, k_split))
+        k_split = 0 if pieces == 1 else triton.cdiv(iters, pieces) * bk
+        out.append((block_m, bn, bk, 4, stages, k_split))
     return out
 
 
-def measure(m: int, n: int, k: int, ws: list[torch.Tensor], sweep: bool) -> dict[str, Any]:
+def measure(
+    m: int, n: int, k: int, ws: list[torch.Tensor], sweep: bool, block_ks: tuple[int, ...] = (128,)
+) -> dict[str, Any]:
     """Every path's time at m rows of one layer (`ws`: copies of its bf16 weight)."""
     copies = len(ws)
     x = torch.randn(m, k, device=ws[0].device, dtype=torch.bfloat16)
@@ -73,7 +76,7 @@ def measure(m: int, n: int, k: int, ws: list[torch.Tensor], sweep: bool) -> dict
     r["skinny_tbps"] = 2 * n * k / r["skinny_us"] / 1e6
     if sweep:
         rows = []
-        for cfg in tilings(m, k):
+        for cfg in tilings(m, k, block_ks):
             try:
                 rows.append((graph_us(lambda i, c=cfg: skinny_matmul(x, ws[i], config=c), copies), cfg))
             except Exception:  # noqa: BLE001 - a tiling past the shared memory: skipped
@@ -88,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--no-sweep", action="store_true", help="the default tilings only")
+    ap.add_argument("--block-ks", type=int, nargs="+", default=[128], help="K step widths to sweep")
+    ap.add_argument("--sweep-rows", type=int, nargs="+", default=list(SWEEP_ROWS))
     args = ap.parse_args()
     ops.prefer_cublaslt()  # as the engine runs
     dev = torch.device("cuda")
@@ -96,7 +101,8 @@ def main() -> None:
         copies = int(180e6 // (2 * n * k)) + 1
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
         for m in ROWS:
-            r = {"layer": name, **measure(m, n, k, ws, not args.no_sweep and m in SWEEP_ROWS)}
+            sweep = not args.no_sweep and m in args.sweep_rows
+            r = {"layer": name, **measure(m, n, k, ws, sweep, tuple(args.block_ks))}
             res.append(r)
             write_json(args.json, res)
             print(

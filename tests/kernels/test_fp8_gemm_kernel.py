@@ -70,21 +70,25 @@ def test_split_k_is_deterministic_and_leaves_counters_zero(m: int, n: int, k: in
 
 def test_default_config_transposes_small_row_counts() -> None:
     """Up to 32 rows the tile is transposed (a row tile under 64: the weight rows on the tensor cores' 64-row
-    side); then 64-row tiles, and from 65 rows 128-row tiles of eight warps, 128 columns on the wide layers."""
+    side), K stepped 256 columns at a time but on the wide layers; then 64-row tiles, and from 65 rows 128-row
+    tiles of eight warps, 128 columns on the wide layers."""
     assert default_config(1, 28672, 4096)[:5] == (16, 64, 128, 4, 3)
-    assert default_config(8, 4096, 14336)[:5] == (16, 64, 128, 4, 5)
-    assert default_config(32, 6144, 4096)[:5] == (32, 64, 128, 4, 5)
+    assert default_config(8, 4096, 14336)[:5] == (16, 64, 256, 4, 5)
+    assert default_config(32, 6144, 4096)[:5] == (32, 64, 256, 4, 5)
     assert default_config(64, 28672, 4096)[:5] == (64, 64, 128, 4, 3)
     assert default_config(200, 28672, 4096)[:5] == (128, 128, 128, 8, 3)
     assert default_config(256, 4096, 4096)[:5] == (128, 64, 128, 8, 5)
 
 
 def test_split_k_follows_the_layer_not_the_row_count() -> None:
-    """The 4,096-row layers (64 tiles of 64 rows) are split so that they make about two programs a
-    multiprocessor; the wide ones are not; the piece length is the same at every row count up to 32."""
+    """`split_k` cuts the 4,096-row layers (64 tiles of 64 rows) for about two programs a multiprocessor, or one;
+    the wide ones not at all. Up to 32 rows the default takes one a multiprocessor in 256-column steps (QKV
+    whole, O and down in two pieces), the same piece length at every row count."""
     assert split_k(28672, 4096) == 0 and split_k(14336, 4096) == 0
     assert split_k(4096, 4096) == 1024 and split_k(4096, 14336) == 3584 and split_k(6144, 4096) == 1408
-    assert {default_config(m, 4096, 14336)[5] for m in (1, 5, 16, 17, 32)} == {3584}
+    assert split_k(4096, 14336, block_k=256, programs_per_sm=1) == 7168
+    assert {default_config(m, 4096, 14336)[5] for m in (1, 5, 16, 17, 32)} == {7168}
+    assert default_config(3, 4096, 4096)[5] == 2048 and default_config(3, 6144, 4096)[5] == 0
     assert default_config(64, 4096, 4096)[5] == 2048 and default_config(128, 6144, 4096)[5] == 0
 
 
