@@ -294,7 +294,33 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
     llm.shutdown()
     if not args.skip_crossover:
         res["crossover"] = crossover(args, opens[: args.crossover_prompts])
+    if args.cost_table:
+        res["cost_table"] = cost_table(opens[: args.crossover_prompts], args.crossover_tokens)
+        print(f"verification cost C(k), k = 0..6, in decode steps: {res['cost_table']['c']}", flush=True)
     return res
+
+
+def cost_table(prompts: list[Any], max_tokens: int, max_k: int = 6) -> dict[str, Any]:
+    """C(k) for k = 0..max_k (the acceptance switch's `VERIFY_COSTS`): the oracle at alpha 0, the switch off,
+    so every step verifies k wrong proposals; each prompt's median verification step (wall time between step
+    calls, `step_profile`) against its median decode step without speculation, the median over the prompts."""
+    llm = LLM(speculative_config={"method": "oracle", "num_speculative_tokens": max_k}, seed=0)
+    speculator = llm.engine.speculator
+    speculator.switch = None
+    proposer, spec = speculator.proposer, speculator.spec
+    speculator.active = False
+    for out in llm.generate(prompts, greedy(max_tokens)):
+        proposer.add_reference(out.prompt_token_ids, out.outputs[0].token_ids)
+    proposer.alpha = 0.0
+    step_profile(llm, prompts[0], 8, True)  # the verification shapes' first passes (3-6x slower on the CPU)
+    decode = [step_profile(llm, p, max_tokens, False)["decode"]["wall_s"] for p in prompts]
+    table: dict[int, list[float]] = {}
+    for k in range(1, max_k + 1):
+        speculator.spec = replace(spec, num_speculative_tokens=k)
+        table[k] = [step_profile(llm, p, max_tokens, True)["verify"]["wall_s"] for p in prompts]
+    free_llm(llm)
+    c = [1.0] + [float(np.median([v / d for v, d in zip(table[k], decode, strict=True)])) for k in table]
+    return {"decode_s": decode, "verify_s": table, "c": [round(x, 3) for x in c]}
 
 
 def gpu_tokens_per_s(
@@ -638,6 +664,11 @@ def main() -> None:
         "--skip-int4", action="store_true", help="leave out the INT4 draft (CPU: acceptance; GPU: speed)"
     )
     ap.add_argument("--skip-crossover", action="store_true")
+    ap.add_argument(
+        "--cost-table",
+        action="store_true",
+        help="CPU: measure the verification cost C(k), k = 0..6 (VERIFY_COSTS)",
+    )
     ap.add_argument(
         "--served-gguf",
         action="store_true",
