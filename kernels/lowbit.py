@@ -30,10 +30,9 @@ Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
   activations of a step come in one load and are dealt into the eight code positions' columns. The codes
   minus the zero point are small integers, exact in bf16 and fp16, so each step's `tl.dot` of the activations
   against them (float32 accumulation) is exact up to float32 sums, and the group's scale multiplies the step's
-  float32 result: the only rounding beyond the reference's is the order of float32 sums. A K step may take two
-  groups (one row, narrow layers: twice the codes in flight a step), each dotted and scaled as alone, so the
-  sums and their order are those of one group a step. Up to 32 rows the tile is computed transposed (weight
-  rows on the tensor cores' 64-row side), as kernels/fp8_gemm.py does; K splits as above.
+  float32 result: the only rounding beyond the reference's is the order of float32 sums. Up to 32 rows the
+  tile is computed transposed (weight rows on the tensor cores' 64-row side), as kernels/fp8_gemm.py does; K
+  splits as above.
 - Larger steps: `wint_dequantize` writes the weight in the activations' dtype (one rounding a weight) for
   torch's matmul; the crossover is `GEMM_ROWS` in model/quant/lowbit.py (run 81: the kernel wins to 64 rows).
 
@@ -261,33 +260,6 @@ def _dot_step(acc, x, w, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _codes_dot(
-    x_rows, w_ptr, k0, cols, row_ok, col_ok, stride_w, z, step,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """One group's K step of the tensor-core kernel, unscaled: `step` plus the activations at columns k0 + [0,
-    BLOCK_K) dotted with the codes minus their zero point `z` (exact in x's dtype), float32 `[BLOCK_N,
-    BLOCK_M]` (SWAP_AB) or `[BLOCK_M, BLOCK_N]`."""
-    PACK: tl.constexpr = 32 // BITS
-    kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-    words = tl.load(
-        w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
-    )
-    if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
-        ws = _int4_halves(words, z[:, None], x_rows.dtype.element_ty, ASM)
-        xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
-        for j in tl.static_range(PACK):
-            step = _dot_step(step, xs[j], ws[j], SWAP_AB, IEEE)
-    else:
-        for j in tl.static_range(PACK):
-            x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
-            w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
-            step = _dot_step(step, x, w, SWAP_AB, IEEE)
-    return step
-
-
-@triton.jit
 def _wint_kernel(
     x_ptr,
     w_ptr,
@@ -313,7 +285,6 @@ def _wint_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUB_K: tl.constexpr,
     DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     IEEE: tl.constexpr,
@@ -342,44 +313,37 @@ def _wint_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if DOT and SUB_K // PACK >= 16:
+    if DOT and BLOCK_K // PACK >= 16:
         # A step's scales and zero points are loaded a step ahead: the codes come through cp.async (pipelined),
         # but these plain loads stalled each step for a memory latency (in SASS, the zero point's load met its
         # shared-memory store at once).
         s_next, z_next = _group_params(s_ptr, z_ptr, k_lo // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
-        if BLOCK_K > SUB_K:
-            s2_next, z2_next = _group_params(
-                s_ptr, z_ptr, (k_lo + SUB_K) // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO
-            )
     for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
         if not DOT:
             acc += _gemv_step(
                 x_rows, w_ptr, s_ptr, z_ptr, k0, cols, row_ok, col_ok, stride_w, stride_s,
                 GROUP, BITS, HAS_ZERO, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-        elif SUB_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
-            # Two sub-steps a step (BLOCK_K = 2 SUB_K): twice the codes in flight per iteration; the float32
-            # sums are the same, in the same order, as with one sub-step a step.
-            k_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last step loads its own again
-            s, z = s_next, z_next
-            s_next, z_next = _group_params(
-                s_ptr, z_ptr, k_next // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO
+        elif BLOCK_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
+            kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            words = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
             )
-            step = _codes_dot(
-                x_rows, w_ptr, k0, cols, row_ok, col_ok, stride_w, z, tl.zeros(acc.shape, dtype=tl.float32),
-                BITS, BLOCK_M, SUB_K, SWAP_AB, IEEE, ASM,
-            )  # fmt: skip
+            s, z = s_next, z_next
+            g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP  # the last step loads its own again
+            s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            step = tl.zeros(acc.shape, dtype=tl.float32)
+            if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
+                ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
+                xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
+                for j in tl.static_range(PACK):
+                    step = _dot_step(step, xs[j], ws[j], SWAP_AB, IEEE)
+            else:
+                for j in tl.static_range(PACK):
+                    x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
+                    w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
+                    step = _dot_step(step, x, w, SWAP_AB, IEEE)
             acc += step * (s[:, None] if SWAP_AB else s[None, :])
-            if BLOCK_K > SUB_K:
-                s2, z2 = s2_next, z2_next
-                s2_next, z2_next = _group_params(
-                    s_ptr, z_ptr, (k_next + SUB_K) // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO
-                )
-                step2 = _codes_dot(
-                    x_rows, w_ptr, k0 + SUB_K, cols, row_ok, col_ok, stride_w, z2,
-                    tl.zeros(acc.shape, dtype=tl.float32), BITS, BLOCK_M, SUB_K, SWAP_AB, IEEE, ASM,
-                )  # fmt: skip
-                acc += step2 * (s2[:, None] if SWAP_AB else s2[None, :])
         else:  # a narrow step (a small group): the codes unpacked into their columns' order
             q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -506,12 +470,8 @@ def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int
     Triton compiles M = 1 apart (an argument equal to 1 is specialized), and that kernel lost. A program's
     time follows its count of K steps (run 84: 1.3 us a step at one program a multiprocessor), so the splits
     keep several programs a multiprocessor in flight. From 17 rows: four warps, two programs a multiprocessor
-    (run 84). At one row the narrow layers step through two groups at a time (run 100)."""
+    (run 84)."""
     block_k = step_k(group)
-    if m == 1 and block_k == 128 and triton.cdiv(n, 64) <= 64 and k % (8 * 256) == 0:
-        # One row, a narrow layer (o_proj, down_proj): two groups a K step, K split 8 ways (run 100's sweep:
-        # o 9.0 -> 8.0 us, down 19.6 -> 17.4; QKV and gate_up, and every layer at 16 rows, no faster).
-        return 16, 64, 256, 8, 2, 3
     block_m = max(16, triton.next_power_of_2(m)) if m <= 32 else 64
     tiles_m = triton.cdiv(m, block_m)
     few = m <= 16
@@ -572,11 +532,9 @@ def _launch(
     """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
-    # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones; the tensor-core kernel's
-    # step may be two sub-steps of `step_k` columns each (codes of 16 words a row and more).
+    # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
     spans = not dot and block_k % w.group == 0 and w.group & (w.group - 1) == 0
-    sub = block_k // 2 if dot and block_k == 2 * step_k(w.group) and block_k * w.bits >= 1024 else block_k
-    assert (w.group % sub == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
+    assert (w.group % block_k == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -592,7 +550,7 @@ def _launch(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, y, part, counters,
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub, DOT=dot, SWAP_AB=block_m < 64,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y

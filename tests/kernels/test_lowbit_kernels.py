@@ -90,20 +90,6 @@ def test_gemm_matches_dequantized_product(bits: int, group: int, symmetric: bool
     torch.testing.assert_close(wint_gemm(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits, group", [(4, 128), (8, 128), (4, 256)])
-def test_gemm_two_groups_a_step_sums_as_one(bits: int, group: int) -> None:
-    """A K step of two sub-steps (BLOCK_K twice `step_k`: two groups, or two halves of a 256-column group) gives
-    the bits of one sub-step a step, K split or not: the same float32 sums in the same order."""
-    m, n, k = 3, 40, 4 * group
-    x, q, bias = operands(m, n, k, bits, group, False, torch.float16, seed=7)
-    sub = gemm_config(m, n, k, group)[2]
-    for split in (1, 2):
-        one = wint_gemm(x, q, bias=bias, config=(16, 32, sub, split, 2, 2))
-        two = wint_gemm(x, q, bias=bias, config=(16, 32, 2 * sub, split, 2, 2))
-        assert torch.equal(one, two)
-    torch.testing.assert_close(two.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
-
-
 @pytest.mark.parametrize("bits, group, symmetric", CASES[:3])
 def test_dequantize_kernel_rounds_the_reference_once(bits: int, group: int, symmetric: bool) -> None:
     _, q, _ = operands(1, 40, 2 * group, bits, group, symmetric, torch.float16, seed=3)
@@ -124,16 +110,13 @@ def test_configs_at_the_8b_shapes() -> None:
     """The GEMV: 64 rows a program, one group a step, K split 8 ways on narrow outputs and 4 on gate_up (run
     81's sweep); the tensor-core kernel splits K up to 8 ways where the tiles leave multiprocessors idle (three
     programs a multiprocessor, two warps, up to 16 rows: run 87's sweep), and down_proj's long K loop 16 ways
-    over 128-row tiles at up to 16 rows (run 84's sweep); at one row, o and down step through two groups at a
-    time (run 100's sweep)."""
+    over 128-row tiles at up to 16 rows (run 84's sweep)."""
     assert gemv_config(1, 4096, 14336, 128) == (64, 128, 8, 4)  # down_proj
     assert gemv_config(1, 28672, 4096, 128) == (64, 128, 4, 4)  # gate_up
     assert gemv_config(1, 6144, 4096, 128) == (64, 128, 8, 4)
     assert gemv_config(1, 512, 256, 128) == (64, 128, 1, 4)  # two steps: nothing to split
     assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
-    assert gemm_config(2, 4096, 14336, 128)[:4] == (16, 128, 128, 16)  # down: a long K loop (run 84)
-    assert gemm_config(1, 4096, 14336, 128) == (16, 64, 256, 8, 2, 3)  # one row: two groups a step (run 100)
-    assert gemm_config(1, 4096, 4096, 128) == (16, 64, 256, 8, 2, 3)
+    assert gemm_config(1, 4096, 14336, 128)[:4] == (16, 128, 128, 16)  # down: a long K loop (run 84)
     assert gemm_config(32, 4096, 14336, 128)[:4] == (32, 64, 128, 8)
     assert gemm_config(1, 6144, 4096, 128) == (16, 64, 128, 8, 2, 3)  # qkv
     assert gemm_config(32, 6144, 4096, 128) == (32, 64, 128, 4, 4, 3)  # from 17 rows: four warps
