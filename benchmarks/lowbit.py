@@ -144,8 +144,8 @@ def part_kernels(res: dict[str, Any], args: argparse.Namespace) -> None:
                     row[f"{fmt}_{path}_gbps"] = weight_bytes(ws[0]) / (us * 1e3)
             times.append(row)
             print(row, flush=True)
-        if (args.sweep or ("none" if args.quick else "all")) != "none":
-            sweep_configs(name, n, k, ints, sweep, gen, pair=args.sweep == "pair")
+        if not args.quick:
+            sweep_configs(name, n, k, ints, sweep, gen)
         del bf16s, ints
         torch.cuda.empty_cache()
         write_json(args.json, res)
@@ -176,13 +176,12 @@ def sweep_configs(
     ints: dict[str, list[lowbit.IntWeight]],
     sweep: list[dict[str, Any]],
     gen: torch.Generator,
-    pair: bool = False,
 ) -> None:
     """Graph-timed: the tensor-core kernel's tiles, warps (two: mma.sync; four or eight: wgmma), stages and K
     splits (1-16: a split costs no second launch) at 1 and 16 rows (INT4 with zero points; one row and 16 are
     compiled apart, since Triton specializes an argument equal to 1), and the GEMV's tilings and K splits (1-32)
-    at one row (INT4 with zero points, INT8). `pair`: only the two-warp tiles, K steps of one group against two
-    (`--sweep pair`). Each tiling's output is compared with the default's (`rel_err_vs_default`)."""
+    at one row (INT4 with zero points, INT8). Each tensor-core tiling's output is compared with the default's
+    (`rel_err_vs_default`)."""
 
     def timed(fmt: str, label: str, cfg: tuple, fn: Any, default: bool) -> None:
         try:
@@ -195,32 +194,16 @@ def sweep_configs(
     ws = ints["int4-g128-zp"]
     for m in (1, 16):
         x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
-        if pair:  # two warps only (the default to 16 rows), one group a step against two
-            grid = [
-                (bn, 2, st, sp, bk)
-                for bn, st, sp, bk in itertools.product((64, 128), (3, 4), (1, 2, 4, 8, 16), (128, 256))
-                if st == 3 or bk == 256
-            ]
-        else:
-            grid = [
-                (bn, w, st, sp, 128)
-                for bn, w, st, sp in itertools.product((64, 128, 256), (2, 4, 8), (3, 4), (1, 2, 4, 8, 16))
-                if not (w == 8 and bn != 256) and not (w == 2 and bn == 256)
-            ]
-        ref = kernels.wint_gemm(x, ws[0]).float()
-        for block_n, warps, stages, split, block_k in grid:
-            if (k // block_k) % split:
+        for block_n, warps, stages, split in itertools.product(
+            (64, 128, 256), (2, 4, 8), (3, 4), (1, 2, 4, 8, 16)
+        ):
+            if (warps == 8 and block_n != 256) or (warps == 2 and block_n == 256) or (k // 128) % split:
                 continue
-            cfg = (16, block_n, block_k, split, warps, stages)
-            try:
-                err = rel_err(kernels.wint_gemm(x, ws[0], config=cfg), ref)
-            except Exception:  # noqa: BLE001 - timed() below records the failure
-                err = float("nan")
+            cfg = (16, block_n, 128, split, warps, stages)
             fn = lambda i, c=cfg, x=x: kernels.wint_gemm(x, ws[i], config=c)  # noqa: E731
             timed("int4-g128-zp", f"int4-g128-zp tc M={m}", cfg, fn, cfg == kernels.gemm_config(m, n, k, 128))
-            sweep[-1]["rel_err_vs_default"] = err
-    if pair:
-        return
+            if not math.isnan(sweep[-1]["us"]):  # the tiling's output against the default's
+                sweep[-1]["rel_err_vs_default"] = rel_err(fn(0), kernels.wint_gemm(x, ws[0]))
     x = torch.randn(1, k, device=DEV, dtype=DT, generator=gen)
     for fmt in ("int4-g128-zp", "int8-g128-sym"):
         for block_n, block_k, split in itertools.product((16, 32, 64, 128), (128, 256), (1, 2, 4, 8, 16, 32)):
@@ -269,10 +252,26 @@ def run_batch(
 def part_decode(res: dict[str, Any], args: argparse.Namespace) -> None:
     engines = res.setdefault("engines", {})
     for name in args.engines:
-        decode_engine(res, name, args)
+        out: dict[str, Any] = engines.setdefault(name, {"args": ENGINES[name]})
+        try:
+            t0 = time.perf_counter()
+            llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=64, **ENGINES[name])
+            out["init_s"] = time.perf_counter() - t0
+            out["weights_bytes"] = llm.engine.runner.stats.weights_bytes
+            lat = run_latency(llm, modes=("graphs",))
+            out["batch1"] = lat.get("graphs", {}) | {"ttft": lat.get("ttft")}
+            out["batch1"]["roofline_tokens_per_s"] = COPY_TBPS * 1e12 / out["weights_bytes"]
+            out["batch16"] = run_batch(llm)
+            free_llm(llm)
+        except Exception as e:  # noqa: BLE001 - the other engines still run
+            traceback.print_exc()
+            out["error"] = f"{type(e).__name__}: {e}"
+            gc.collect()  # an engine that failed half-built still holds its weights until collected
+            torch.cuda.empty_cache()
+        write_json(args.json, res)
     base = engines.get("bf16", {}).get("batch16", {}).get("tokens")
     for e in engines.values():
-        toks = e.get("batch16", {}).get("tokens")
+        toks = e.get("batch16", {}).pop("tokens", None)
         if base and toks:
             e["greedy_vs_bf16"] = {
                 "identical": sum(a == b for a, b in zip(toks, base, strict=True)),
@@ -281,29 +280,6 @@ def part_decode(res: dict[str, Any], args: argparse.Namespace) -> None:
                     np.mean([common_prefix(a, b) / len(b) for a, b in zip(toks, base, strict=True)])
                 ),
             }
-    for e in engines.values():
-        e.get("batch16", {}).pop("tokens", None)
-
-
-def decode_engine(res: dict[str, Any], name: str, args: argparse.Namespace) -> None:
-    """One engine's batch-1 and batch-16 decode, under `res["engines"][name]`."""
-    out: dict[str, Any] = res["engines"].setdefault(name, {"args": ENGINES[name]})
-    try:
-        t0 = time.perf_counter()
-        llm = LLM(model=args.model, max_model_len=2048, max_num_seqs=64, **ENGINES[name])
-        out["init_s"] = time.perf_counter() - t0
-        out["weights_bytes"] = llm.engine.runner.stats.weights_bytes
-        lat = run_latency(llm, modes=("graphs",))
-        out["batch1"] = lat.get("graphs", {}) | {"ttft": lat.get("ttft")}
-        out["batch1"]["roofline_tokens_per_s"] = COPY_TBPS * 1e12 / out["weights_bytes"]
-        out["batch16"] = run_batch(llm)
-        free_llm(llm)
-    except Exception as e:  # noqa: BLE001 - the other engines still run
-        traceback.print_exc()
-        out["error"] = f"{type(e).__name__}: {e}"
-        gc.collect()  # an engine that failed half-built still holds its weights until collected
-        torch.cuda.empty_cache()
-    write_json(args.json, res)
 
 
 PROMPTS = [
@@ -403,10 +379,10 @@ def print_table(res: dict[str, Any]) -> None:
             )
     engines = res.get("engines", {})
     if engines:
-        head = ("weights GB", "b1 tok/s", "x bf16", "target", "b16 tok/s", "x bf16", "target", "greedy=bf16")
         base = engines.get("bf16", {})
         b1 = base.get("batch1", {}).get("decode_tokens_per_s")
         b16 = base.get("batch16", {}).get("decode_tokens_per_s")
+        head = ("weights GB", "b1 tok/s", "x bf16", "target", "b16 tok/s", "x bf16", "target", "greedy=bf16")
         print(f"{'engine':7s} " + " ".join(f"{h:>11s}" for h in head))
         for name, e in engines.items():
             if "error" in e:
@@ -433,12 +409,6 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=24)
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--quick", action="store_true", help="kernels: fewer row counts, no sweep")
-    ap.add_argument(
-        "--sweep",
-        choices=("all", "pair", "none"),
-        help="kernels: the tiling sweep (default all, none with --quick; pair: two-warp tiles, K steps of one "
-        "group against two)",
-    )
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     res = header(args)
