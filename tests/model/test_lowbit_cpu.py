@@ -67,3 +67,31 @@ def test_int8_embedding_is_exact_and_its_head_close() -> None:
     x = torch.randn(3, 64, generator=g)
     _close(emb.logits(x), x, w)
     assert cpu.int8_embedding(torch.randn(208, 64, generator=g)) is None  # not Q8_0 values: kept as it is
+
+
+def test_int8_head_recomputes_its_top_logits_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's `HEAD_EXACT_TOP` largest logits a row are the float32 products of the exact weights and the
+    float32 hidden row, so greedy's argmax is the f32 model's where bf16 logits tie two close tokens (without the
+    recomputation it is not); the other logits are the kernel's."""
+    g = torch.Generator().manual_seed(3)
+    w = _q8_0(torch.randn(512, 64, generator=g) * 0.1)
+    # Row 11: row 10 with one code a step up where row 10 (and so the hidden rows below) is smallest and positive:
+    # its logit a hair above row 10's, far within one bf16 step.
+    j = int(torch.where(w[10] > 0, w[10], torch.inf).argmin())
+    w[11] = w[10]
+    w[11, j] += w[10].view(-1, 32)[j // 32].abs().amax().half().float() / 127
+    w = _q8_0(w)
+    x = torch.stack([w[10] * 200, w[10] * 180, torch.randn(64, generator=g)])
+    emb = cpu.int8_embedding(w)
+    assert emb is not None
+    exact = (x.double() @ w.double().T).float()
+    assert exact[0, 11] > exact[0, 10] and exact[:2].argmax(-1).tolist() == [11, 11]
+    got = emb.logits(x)
+    ids = got.topk(cpu.HEAD_EXACT_TOP, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, ids), exact.gather(-1, ids), rtol=1e-6, atol=1e-5)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    kernel = cpu.packed_linear(torch.cat([x, x], -1), emb.head)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, ids, False)
+    assert torch.equal(got[rest], kernel[rest])
+    monkeypatch.setattr(cpu, "HEAD_EXACT_TOP", 0)  # the kernel's bf16 logits alone: row 11 loses the tie
+    assert not torch.equal(emb.logits(x)[:2].argmax(-1), exact[:2].argmax(-1))

@@ -38,4 +38,4 @@ def test_default_gguf_served_quantized_agrees_with_f32(
         agree += int((a[n - 1 : -1].argmax(-1) == b[n - 1 : -1].argmax(-1)).sum())
         total += len(o.outputs[0].token_ids)
     print(f"top-1 agreement with the f32 conversion on its greedy continuations: {agree} of {total}")
-    assert agree >= 0.85 * total  # 68 of 72 measured
+    assert agree >= 0.85 * total  # 71 of 72 measured (68 before the int8 head recomputed its top logits)

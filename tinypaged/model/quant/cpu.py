@@ -22,6 +22,14 @@ tied LM head runs those same codes through the INT4 kernel, each code split in t
 the bf16 rounding of its scales as the linear layers have. An int8 head with one scale per vocabulary row
 (`_weight_int8pack_mm`, the same bytes and speed) rounds every weight again, coarsely (the row's largest weight
 sets the step): greedy tokens on the default model then left its f32 conversion's on 3 of 3 prompts.
+
+The head's bf16 logits are the largest of the kernel's roundings for greedy decoding (benchmarks/
+cpu_lowbit_rounding.py: alone, they cost 12 of 41 prompts their f32 tokens; a logit of 20 moves by up to 0.06,
+more than the gap between the first two tokens of many steps). So `Int8Embedding.logits` takes each row's
+`HEAD_EXACT_TOP` largest bf16 logits as candidates and recomputes those exactly in float32, from the file's
+weights and the float32 hidden row: a few thousand multiply-adds a row against the head's 28 million. The rest
+keep the kernel's values (a token outside the candidates is below the largest by more than any of these roundings
+can move it).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 
 INT4_GROUPS = (32, 64, 128, 256)  # the groups _weight_int4pack_mm_for_cpu takes
 EMBED_GROUP = 32  # Q8_0's block
+HEAD_EXACT_TOP = 16  # logits a row recomputed exactly in float32 by the int8 head (the module's docstring)
 
 
 class CpuPacked(NamedTuple):
@@ -98,8 +107,16 @@ class Int8Embedding(NamedTuple):
         return (rows * self.scales[ids].float()[..., None]).flatten(-2)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden @ W.T`, in hidden's dtype: the INT4 kernel over `[hidden, hidden]` (`head_weight`)."""
-        return packed_linear(torch.cat([hidden, hidden], -1), self.head)
+        """`hidden @ W.T` `[M, V]`, in hidden's dtype: the INT4 kernel over `[hidden, hidden]` (`head_weight`),
+        then each row's `HEAD_EXACT_TOP` largest logits recomputed in float32 from the exact weights (the
+        module's docstring)."""
+        y = packed_linear(torch.cat([hidden, hidden], -1), self.head)
+        top = min(HEAD_EXACT_TOP, y.shape[-1])
+        if top and y.numel():
+            ids = y.topk(top, dim=-1).indices  # [M, top]
+            exact = (self.lookup(ids) @ hidden.float()[:, :, None]).squeeze(-1)
+            y.scatter_(-1, ids, exact.to(y.dtype))
+        return y
 
 
 def head_weight(codes: torch.Tensor, scales: torch.Tensor) -> CpuPacked:
