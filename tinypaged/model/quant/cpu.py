@@ -28,8 +28,8 @@ cpu_lowbit_rounding.py: alone, they cost 12 of 41 prompts their f32 tokens; a lo
 more than the gap between the first two tokens of many steps). So `Int8Embedding.logits` takes each row's
 `HEAD_EXACT_TOP` largest bf16 logits as candidates and recomputes those exactly in float32, from the file's
 weights and the float32 hidden row: a few thousand multiply-adds a row against the head's 28 million. The rest
-keep the kernel's values (a token outside the candidates is below the largest by more than any of these roundings
-can move it).
+keep the kernel's values: for the float32 argmax to fall outside the candidates, 16 other logits would have to
+sit within the roundings' reach of it.
 """
 
 from __future__ import annotations
