@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tinypaged import cpu_linear
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TORCH_OPS = os.environ.get("TINYPAGED_TORCH_OPS") == "1"
 # Steps of this many rows go through the Triton GEMV: on the H200 it beats cuBLAS at one row (batch-1 decode)
@@ -506,7 +508,8 @@ def prefer_cublaslt() -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight^T + bias` for x `[T, K]`: a one-row step (batch-1 decode: a matrix-vector product, bound by
     the weight's bytes) through the Triton GEMV, a step of a few bf16 or fp16 rows through the Triton skinny
-    matmul, any other through torch's matmul (cuBLASLt on a GPU, see `prefer_cublaslt`)."""
+    matmul, a few float32 rows on the CPU as this machine's BLAS runs them fastest (`cpu_linear`), any other
+    through torch's matmul (cuBLASLt on a GPU, see `prefer_cublaslt`)."""
     rows = x.shape[0]
     if 0 < rows <= _GEMV_ROWS and uses_triton(x):
         from tinypaged.kernels import gemv
@@ -524,6 +527,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from tinypaged.kernels.fp8_gemm import skinny_matmul
 
         return skinny_matmul(x, weight, bias)
+    if x.device.type == "cpu" and (y := cpu_linear.small_rows(x, weight, bias)) is not None:
+        return y  # a few float32 rows, the way this machine's BLAS runs them fastest
     if _CPU_SLICED_ROWS[0] <= rows <= _CPU_SLICED_ROWS[1] and _sliced_on_cpu(x, weight, bias):
         out = x.new_empty(rows, weight.shape[0])
         for w, o in zip(weight.split(_CPU_SLICE), out.split(_CPU_SLICE, dim=1), strict=True):
