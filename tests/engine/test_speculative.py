@@ -275,3 +275,20 @@ def test_draft_memory_shares_the_target_budget(tmp_path: Path, tiny_hf_model) ->
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
     assert max(calls) <= 24 and sum(calls) >= 60 + 33
     proposer.kv.check_integrity()
+
+
+def test_cpu_costs_are_measured_once_a_process(spec_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU engine's acceptance switch takes C(k) measured on this machine (engine/speculative/costs.py): one
+    per k up to num_speculative_tokens, a decode step's own 1.0 first; the same model and k measured again in
+    the process get the same table (a seeded request's output follows the k its steps propose);
+    TINYPAGED_SPEC_COSTS=table leaves the switch the stored table."""
+    from tinypaged.engine.speculative import costs
+
+    runner = spec_llm.engine.runner
+    k = NGRAM["num_speculative_tokens"]
+    got = spec_llm.engine.speculator.switch.costs
+    assert len(got) == k + 1 and got[0] == 1.0 and all(0.0 < c < 100.0 for c in got)
+    monkeypatch.setattr(costs, "_measure", lambda *a: pytest.fail("measured again"))
+    assert costs.measured_costs(runner, k) == got
+    monkeypatch.setenv("TINYPAGED_SPEC_COSTS", "table")
+    assert costs.measured_costs(runner, k) is None

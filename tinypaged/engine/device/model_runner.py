@@ -30,6 +30,7 @@ import torch
 
 from tinypaged import compile_cache, ops
 from tinypaged.config import EngineConfig
+from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.draft_weights import DraftWeights, load_draft, split_kv_budget
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
@@ -540,3 +541,23 @@ class ModelRunner:
         self._token_sizes = []
         self.use_cuda_graphs = False
         del self.model, self.kv_cache, self.swap_cache
+
+
+def scratch_step(seqs: list[tuple[int, int]], block_size: int, num_spec: int = 0) -> SchedulerOutput:
+    """A step of sequences given as (tokens already computed, new tokens), each on blocks 0, 1, ... (their K/V
+    are scratch: the warm-up's passes and the speculative costs' measurement, before any request); `num_spec` of
+    each one's new tokens proposed ones."""
+    scheduled = tuple(
+        ScheduledSeq(
+            seq_id=i,
+            request_id=f"warmup-{i}",
+            num_computed_tokens=done,
+            num_new_tokens=new,
+            token_ids=(0,) * new,
+            block_table=tuple(range(-(-(done + new) // block_size))),
+            do_sample=True,
+            num_spec_tokens=num_spec,
+        )
+        for i, (done, new) in enumerate(seqs)
+    )
+    return SchedulerOutput(scheduled, (), (), (), (), (), sum(new for _, new in seqs))

@@ -26,6 +26,7 @@ from tinypaged.engine.device.model_runner import ModelRunner
 from tinypaged.engine.request import Request
 from tinypaged.engine.sampling.parallel_sampling import ParallelSampling
 from tinypaged.engine.sampling.rejection import Verified
+from tinypaged.engine.speculative.costs import measured_costs
 from tinypaged.engine.speculative.proposers import NgramProposer, OracleProposer, Proposer
 from tinypaged.engine.speculative.switch import AcceptanceSwitch, verify_costs
 from tinypaged.speculative import SpeculativeConfig
@@ -94,7 +95,12 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
         proposer = DraftModelProposer(config, spec, runner)
         token_cost = proposer.token_cost
     assert config.max_model_len is not None
-    switch = AcceptanceSwitch(verify_costs(runner.device.type, spec.num_speculative_tokens, token_cost))
+    k = spec.num_speculative_tokens
+    costs = verify_costs(runner.device.type, k, token_cost)
+    measured = measured_costs(runner, k)  # the CPU's, on this machine
+    if measured is not None:
+        costs = tuple(c + token_cost * j for j, c in enumerate(measured))
+    switch = AcceptanceSwitch(costs)
     return Speculator(spec, proposer, config.max_model_len, switch)
 
 

@@ -34,10 +34,9 @@ import torch
 
 from tinypaged import compile_cache, ops
 from tinypaged.config import EngineConfig
-from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.executor import Executor
-from tinypaged.engine.device.model_runner import ModelRunner
+from tinypaged.engine.device.model_runner import ModelRunner, scratch_step
 from tinypaged.engine.sampling.beam_search import BeamSearch
 from tinypaged.engine.sampling.rejection import Verify, verify
 from tinypaged.engine.sampling.sampler import Sampler, SamplingRow, upload
@@ -136,42 +135,25 @@ def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) 
     with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
     bs = config.block_size
     longest = min(config.max_model_len, num_blocks * bs)
-    steps = [_step([(0, t)], bs) for t in ROW_COUNTS if t <= min(longest, config.max_num_batched_tokens)]
+    steps = [
+        scratch_step([(0, t)], bs) for t in ROW_COUNTS if t <= min(longest, config.max_num_batched_tokens)
+    ]
     context = bs
     while context <= longest:
-        steps.append(_step([(context - 1, 1)], bs))
+        steps.append(scratch_step([(context - 1, 1)], bs))
         context *= 2
     spec = config.speculative
     if spec is not None:  # verification: a decode with k proposed tokens, its k + 1 rows sampled
         k = spec.num_speculative_tokens
-        steps += [_step([(c, 1 + k)], bs, k) for c in (bs - 1, 2 * bs - 1) if c + 1 + k <= longest]
+        steps += [scratch_step([(c, 1 + k)], bs, k) for c in (bs - 1, 2 * bs - 1) if c + 1 + k <= longest]
     rows = min(config.max_num_seqs, len(SAMPLING_VARIANTS))
-    steps.append(_step([(0, 1)] * rows, bs))
+    steps.append(scratch_step([(0, 1)] * rows, bs))
     copy = ((0, 1),) if num_blocks >= 2 else ()
     swap = num_blocks >= 4 and num_cpu_blocks >= 1
     first = steps[0]
     out, back = (((2, 0),), ((0, 3),)) if swap else ((), ())
     steps[0] = SchedulerOutput(first.scheduled, out, back, copy, (), (), first.num_batched_tokens)
     return steps
-
-
-def _step(seqs: list[tuple[int, int]], block_size: int, num_spec: int = 0) -> SchedulerOutput:
-    """A step of sequences given as (tokens already computed, new tokens), each on blocks 0, 1, ... (their K/V
-    are scratch: nothing reads it after the warm-up); `num_spec` of each one's new tokens proposed ones."""
-    scheduled = tuple(
-        ScheduledSeq(
-            seq_id=i,
-            request_id=f"warmup-{i}",
-            num_computed_tokens=done,
-            num_new_tokens=new,
-            token_ids=(0,) * new,
-            block_table=tuple(range(-(-(done + new) // block_size))),
-            do_sample=True,
-            num_spec_tokens=num_spec,
-        )
-        for i, (done, new) in enumerate(seqs)
-    )
-    return SchedulerOutput(scheduled, (), (), (), (), (), sum(new for _, new in seqs))
 
 
 def warm_up(engine: LLMEngine, force: bool = False) -> float:
