@@ -279,7 +279,12 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
 
         model = str(default_gguf_path())
     llm = LLM(model=model, speculative_config=NGRAM, seed=0)
+    from tinypaged import cpu_linear
+
     res: dict[str, Any] = {"ngram": NGRAM, "model": model or "the default model's f32 conversion"}
+    # What this machine chose: the switch's C(k) (measured at start) and the float32 row counts taken transposed
+    res["verify_costs"] = list(llm.engine.speculator.switch.costs)
+    res["cpu_transposed_rows"] = sorted(cpu_linear.transposed_rows())
     prompts = copy_prompts(llm)
     if not args.skip_ngram:
         res["copy_heavy"] = compare(llm, prompts, greedy(args.copy_tokens))
@@ -598,6 +603,11 @@ def table(res: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<36} {r['baseline']['tokens_per_s']:10.2f} {r['speculative']['tokens_per_s']:11.2f}"
                 f" {r['speedup']:7.2f}x {r['speculative']['acceptance_rate']:7.2f}  {r['identical']}"
+            )
+        if "verify_costs" in cpu:
+            lines.append(
+                f"  verification costs C(k) {cpu['verify_costs']}; float32 rows taken transposed "
+                f"{cpu['cpu_transposed_rows']}"
             )
     if isinstance(cpu, dict) and "crossover" in cpu:
         cross = cpu["crossover"]
