@@ -12,6 +12,9 @@ outputs may differ from the run without speculation):
   to repeat a given paragraph of about 60-80 words exactly, with one named word changed ("Repeat the following
   paragraph exactly, but replace the word 'X' with 'Y'."); 4 paragraphs, 96 tokens each. The answer is mostly a
   copy of the prompt: n-gram prompt lookup (k = 4, prompt_lookup_min 2, max 4) proposes it. Target >= 1.5x.
+  EOS is ignored, so after the copy the model runs on into text of its own (a new invented conversation).
+  `--copy-until-eos` also runs the same prompts ending at EOS (`copy_heavy_eos`, not the published workload:
+  the copy without what follows it).
 - **random-token** prompts: 128 uniformly random token ids, 64 tokens each, nothing to copy: the n-gram
   proposer rarely matches and its rejected proposals cost verification rows. Target >= 0.95x.
   Tokens/s = generated tokens / wall time of `LLM.generate`, each prompt alone (one stream), without and with
@@ -288,6 +291,9 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
     prompts = copy_prompts(llm)
     if not args.skip_ngram:
         res["copy_heavy"] = compare(llm, prompts, greedy(args.copy_tokens))
+        if args.copy_until_eos:
+            until_eos = SamplingParams(temperature=0.0, max_tokens=args.copy_tokens)
+            res["copy_heavy_eos"] = compare(llm, prompts, until_eos)
         rng = np.random.default_rng(0)
         vocab = llm.config.model_config.vocab_size
         randoms = [random_prompt(rng, 128, vocab) for _ in range(args.random_prompts)]
@@ -598,7 +604,9 @@ def table(res: dict[str, Any]) -> str:
         lines.append(
             f"CPU, default model {label:9}, one stream  base tok/s  spec tok/s  speedup  accept  same"
         )
-        for name in ("copy_heavy", "random_tokens"):
+        for name in ("copy_heavy", "copy_heavy_eos", "random_tokens"):
+            if name not in cpu:
+                continue
             r = cpu[name]
             lines.append(
                 f"  {name:<36} {r['baseline']['tokens_per_s']:10.2f} {r['speculative']['tokens_per_s']:11.2f}"
@@ -668,6 +676,9 @@ def main() -> None:
     ap.add_argument("--model", help="the GPU part's 8B model directory (tinypaged weights random ...)")
     ap.add_argument("--json")
     ap.add_argument("--copy-tokens", type=int, default=96)
+    ap.add_argument(
+        "--copy-until-eos", action="store_true", help="cpu: also the copy-heavy prompts ending at EOS"
+    )
     ap.add_argument("--random-tokens", type=int, default=64)
     ap.add_argument("--random-prompts", type=int, default=4)
     ap.add_argument(
