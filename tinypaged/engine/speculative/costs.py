@@ -23,9 +23,8 @@ import torch
 
 from tinypaged.engine.device.model_runner import ModelRunner, scratch_step
 
-CONTEXT = (
-    63  # tokens before the step's: a decode step's attention over a few blocks (fewer in a shorter model)
-)
+# Tokens before the step's: a decode step's attention over a few blocks (fewer in a shorter model).
+CONTEXT = 63
 REPEATS = 5
 # The least a verified row adds: its sampling and acceptance test, host work that the forward passes timed here
 # leave out. With the transposed product a one-row decode already runs as two columns, so a two-row pass costs
