@@ -64,7 +64,7 @@ import torch
 from common import free_llm, greedy, header, random_prompt, write_json
 from host_time import graph_launch, host_profile, print_host_profile, request_steps
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, SamplingParams, cpu_linear
 from tinypaged.engine.device.model_runner import GraphChoice
 from tinypaged.engine.speculative.proposers import OracleProposer
 
@@ -282,8 +282,6 @@ def cpu_part(args: argparse.Namespace) -> dict[str, Any]:
 
         model = str(default_gguf_path())
     llm = LLM(model=model, speculative_config=NGRAM, seed=0)
-    from tinypaged import cpu_linear
-
     res: dict[str, Any] = {"ngram": NGRAM, "model": model or "the default model's f32 conversion"}
     # What this machine chose: the switch's C(k) (measured at start) and the float32 row counts taken transposed
     res["verify_costs"] = list(llm.engine.speculator.switch.costs)

@@ -29,9 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = (
-    4  # row counts considered; more rows stay with F.linear (from 5 the two ways trade places by shape)
-)
+# Row counts considered; more rows stay with F.linear (from 5 the two ways trade places by shape).
+MAX_ROWS = 4
 _SHAPE = (2048, 1024)  # the calibration weight [N, K]: 8 MB in float32
 _COPIES = 16  # 128 MB: read from memory, not cache, as a step's layers are
 _MARGIN = 0.8  # the transposed way must take at most this share of F.linear's time

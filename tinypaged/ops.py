@@ -14,7 +14,7 @@ kernels can be tested on a machine without a GPU. Setting TINYPAGED_TORCH_OPS=1 
 ones under the interpreter), e.g. to check the kernels' numerics end to end on a GPU (the model runner then runs
 every step eagerly) or under the interpreter.
 
-One job, in about 680 lines: the op set, each op once as its torch reference (the specification the kernels are
+One job, in about 715 lines: the op set, each op once as its torch reference (the specification the kernels are
 tested against) and once as the facade's dispatch between that reference and its kernel; the model, the runner
 and the kernel tests all reach ops through this one module, so an op's definition and its dispatch are never
 two places apart. The references keep what every layer of a step would derive again (`AttentionMetadata.memo`)

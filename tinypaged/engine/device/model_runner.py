@@ -12,7 +12,8 @@ One job, past 450 lines: turning one SchedulerOutput into one forward pass over 
 model, allocating the caches, capturing and choosing the CUDA graphs and running a step all read the same
 shapes and buffers; the parts that stand alone are apart already: the staging of the inputs (`staging.py`),
 an FP8 cache's dtype and scales (`kv_scales.py`) and a draft model's weights and share of the budget
-(`draft_weights.py`).
+(`draft_weights.py`). `scratch_step` builds the SchedulerOutputs the runner executes before any request (the
+warm-up's passes, the speculative costs' measurement), over the first blocks of these caches.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, 
 from tinypaged.model import AttentionMetadata, load_model
 from tinypaged.model.llama import Attention
 from tinypaged.model.parallel import TPGroup
+from tinypaged.model.quant import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +159,6 @@ class ModelRunner:
             ops.prefer_cublaslt()
             # Before the first launch compiles anything: the kernels come from (and go to) the persistent cache.
             self.stats.compile_cache = compile_cache.setup().describe()
-        elif self.dtype == torch.float32:
-            cpu_linear.transposed_rows()  # measured now, once a process, not inside a request's first step
         t0 = time.perf_counter()
         self.model = load_model(
             mcfg,
@@ -170,6 +170,8 @@ class ModelRunner:
             cpu_kernels=True,
         )
         self.stats.load_s = time.perf_counter() - t0
+        if self.device.type == "cpu" and _float32_products(self.model):
+            cpu_linear.transposed_rows()  # measured now, once a process, not inside a request's first step
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # A draft model (speculative decoding) loads before the KV cache is sized, on the driver's rank alone:
         # its weights and its pools share the target's budget (draft_weights.py).
@@ -563,3 +565,14 @@ def scratch_step(seqs: list[tuple[int, int]], block_size: int, num_spec: int = 0
         for i, (done, new) in enumerate(seqs)
     )
     return SchedulerOutput(scheduled, (), (), (), (), (), sum(new for _, new in seqs))
+
+
+def _float32_products(model: torch.nn.Module) -> bool:
+    """Whether the model's steps run float32 products through `ops.linear` (a layer kept unquantized in float32,
+    or the LM head where it is not held in int8): where `cpu_linear` may take them the transposed way. A GGUF
+    model served quantized runs none."""
+    head_int8 = model.lm_head is None and model.embed_tokens.int8 is not None
+    layers = (m for m in model.modules() if isinstance(m, Linear))
+    return any(
+        getattr(m, "weight", None) is not None and m.weight.dtype == torch.float32 for m in layers
+    ) or (not head_int8 and model.embed_tokens.weight.dtype == torch.float32)

@@ -96,11 +96,8 @@ def make_speculator(config: EngineConfig, runner: ModelRunner) -> Speculator:
         token_cost = proposer.token_cost
     assert config.max_model_len is not None
     k = spec.num_speculative_tokens
-    costs = verify_costs(runner.device.type, k, token_cost)
-    measured = measured_costs(runner, k)  # the CPU's, on this machine
-    if measured is not None:
-        costs = tuple(c + token_cost * j for j, c in enumerate(measured))
-    switch = AcceptanceSwitch(costs)
+    # The CPU's C(k) is measured on this machine (costs.py); a GPU's is its stored line.
+    switch = AcceptanceSwitch(verify_costs(runner.device.type, k, token_cost, measured_costs(runner, k)))
     return Speculator(spec, proposer, config.max_model_len, switch)
 
 

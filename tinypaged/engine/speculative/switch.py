@@ -49,10 +49,13 @@ def line_costs(max_k: int, row_cost: float, step_cost: float = 0.0) -> tuple[flo
     return (1.0, *(1.0 + step_cost + row_cost * k for k in range(1, max_k + 1)))
 
 
-def verify_costs(device_type: str, max_k: int, token_cost: float = 0.0) -> tuple[float, ...]:
-    """C(k) for k = 0..max_k on a device of this type (its measured table, else its line; an unknown type
-    takes CUDA's), the proposer's `token_cost` a proposed token added."""
-    table = VERIFY_COSTS.get(device_type)
+def verify_costs(
+    device_type: str, max_k: int, token_cost: float = 0.0, table: Sequence[float] | None = None
+) -> tuple[float, ...]:
+    """C(k) for k = 0..max_k on a device of this type (`table`, measured on this machine, else the type's stored
+    table, else its line; an unknown type takes CUDA's), the proposer's `token_cost` a proposed token added."""
+    if table is None:
+        table = VERIFY_COSTS.get(device_type)
     if table is None:
         step = VERIFY_STEP_COST.get(device_type, VERIFY_STEP_COST["cuda"])
         costs = line_costs(max_k, VERIFY_ROW_COST.get(device_type, VERIFY_ROW_COST["cuda"]), step)
