@@ -8,12 +8,12 @@ round, `(W @ x^T)^T` (the weight as the plain left operand, the rows as a thin r
 at two to four rows; one row, doubled to two, the same. On a 2-core Xeon the one-row sgemv already runs near
 the memory's speed (benchmarks/NOTES.md, "The CPU's matmuls at a few rows").
 
-So the choice is measured, once a process, when a float32 CPU engine starts (or else the first time a float32
-product of a few rows runs on the CPU: `transposed_rows`). For each row count up to `MAX_ROWS`, a weight of
-`_SHAPE` in `_COPIES` copies (past the caches, as a step's layers are) is multiplied both ways, and the transposed
-way is taken at the row counts where it takes at most `_MARGIN` of F.linear's time, so that timing noise does
-not flip a choice that barely matters. It takes about half a second. `TINYPAGED_CPU_TRANSPOSED=0` never takes
-it, `=1` always does up to `MAX_ROWS` (tests, side-by-side measurements).
+So the choice is measured, once a process, when a CPU engine whose model runs float32 products starts (or else
+the first time a float32 product of a few rows runs on the CPU: `transposed_rows`). For each row count up to
+`MAX_ROWS`, a weight of `_SHAPE` in `_COPIES` copies (past the caches, as a step's layers are) is multiplied both
+ways, and the transposed way is taken at the row counts where it takes at most `_MARGIN` of F.linear's time, so
+that timing noise does not flip a choice that barely matters. It takes about half a second.
+`TINYPAGED_CPU_TRANSPOSED=0` never takes it, `=1` always does up to `MAX_ROWS` (tests, side-by-side measurements).
 
 Both ways sum each output in float32 over K, in orders that differ by an ulp or so (as sgemv's and sgemm's
 already did); the BLAS may also sum a row differently at two columns than at four, as it may at one row and
