@@ -34,6 +34,9 @@ from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 # is the knob between the kernel and dequantize-then-matmul (run 81's graph-timed sweep: the kernel to 64 rows).
 GEMV_ROWS = 4
 GEMM_ROWS = 64
+# INT4 steps of up to MMA_ROWS rows, groups of 128, go through kernels/lowbit_mma.py (the weights loaded straight
+# into the tensor cores' registers) where `lowbit_mma.usable` says it runs.
+MMA_ROWS = 16
 
 
 class IntWeight(NamedTuple):
@@ -150,7 +153,8 @@ def ref_wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = N
 
 def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A weight-only INT4 / INT8 linear layer with `ref_wint_linear`'s numbers, on any device: by the row
-    count, the Triton GEMV (up to GEMV_ROWS), the tensor-core kernel (up to GEMM_ROWS) or the weight
+    count, the Gluon INT4 kernel (up to MMA_ROWS, where it runs), the Triton GEMV (up to GEMV_ROWS), the
+    tensor-core kernel (up to GEMM_ROWS) or the weight
     dequantized to x's dtype and torch's matmul; on the CPU torch's packed kernels in bf16 where the layer
     was packed for them (model/quant/cpu.py), else the reference."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -163,8 +167,11 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     from tinypaged.kernels import lowbit as kernels
+    from tinypaged.kernels import lowbit_mma
 
-    if m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
+    if m <= MMA_ROWS and w.qweight.is_contiguous() and lowbit_mma.usable(x2, w.bits, w.group):
+        y = lowbit_mma.int4_mma(x2, w.qweight, w.scales, w.zeros, bias)
+    elif m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
         y = kernels.wint_gemv(x2, w, bias)
     elif m <= GEMM_ROWS:
         y = kernels.wint_gemm(x2, w, bias)

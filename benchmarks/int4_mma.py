@@ -1,0 +1,155 @@
+"""INT4 weight-only matmuls of 1-16 rows through the Gluon kernel that loads the weights straight into the tensor
+cores' registers (`kernels/lowbit_mma.py`), against the Triton tensor-core kernel (`kernels/lowbit.py`
+`wint_gemm`) and bf16, on the GPU (issue 38).
+
+    python3 benchmarks/int4_mma.py --json benchmarks/results/int4-mma-h200.json [--no-sweep]
+
+First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, bf16 and fp16 rows (1, 2, 5, 8, 9, 16),
+with and without zero points, one with a bias: the relative error against the float32 product of the same
+codes (`ref`: x in float32 @ the dequantized weight), beside `wint_gemm`'s; the same bits twice; a row alone
+against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own
+copy of the weight (past the L2), at 1, 5 and 16 rows: bf16 `ops.linear`, `wint_gemm` and `int4_mma` at its
+default, with the weight bytes each reads per second; then a sweep of `int4_mma`'s tilings (warps, 16-row tiles
+a warp, K split, steps prefetched) at 1 and 16 rows. The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from typing import Any
+
+import torch
+from common import write_json
+from fp8_gemm_sweep import graph_us
+
+from tinypaged import ops
+from tinypaged.kernels import lowbit as kernels
+from tinypaged.kernels import lowbit_mma
+from tinypaged.model.quant import lowbit
+
+DEV = "cuda"
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def nbytes(w: lowbit.IntWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
+
+
+def mma(x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None = None, config: Any = None) -> torch.Tensor:
+    return lowbit_mma.int4_mma(x, w.qweight, w.scales, w.zeros, bias, config)
+
+
+def checks(res: dict[str, Any], gen: torch.Generator) -> None:
+    out = res.setdefault("checks", [])
+    for (name, n, k), sym in itertools.product(SHAPES + ODD, (False, True)):
+        w32 = torch.randn(n, k, device=DEV, generator=gen) / k**0.5
+        w = lowbit.quantize_rtn(w32, 4, 128, sym)
+        ref_w = lowbit.dequantize_weight(w)
+        bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=gen) if name == "odd-b" else None
+        for dt, m in itertools.product((torch.bfloat16, torch.float16), (1, 2, 5, 8, 9, 16)):
+            x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
+            want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
+            got = mma(x, w, bias)
+            again = mma(x, w, bias)
+            row = {
+                "name": f"{name} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m}",
+                "err": rel_err(got, want),
+                "triton_err": rel_err(kernels.wint_gemm(x, w, bias), want),
+                "same_twice": bool(torch.equal(got, again)),
+            }
+            if m == 16:
+                alone = torch.cat([mma(x[i : i + 1], w, bias) for i in range(m)])
+                row["row_alone_equal"] = bool(torch.equal(alone, got))
+            row["ok"] = row["err"] < 5e-3 and row["same_twice"] and row.get("row_alone_equal", True)
+            out.append(row)
+            if not row["ok"]:
+                print("CHECK FAILED", row, flush=True)
+        del w32, w, ref_w
+    bad = [c for c in out if not c["ok"]]
+    print(f"checks: {len(out) - len(bad)} of {len(out)} pass; worst err {max(c['err'] for c in out):.2e}", flush=True)
+
+
+def copies_for(n: int, past: float = 256e6) -> int:
+    return max(2, math.ceil(past / n))
+
+
+def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
+    rows_out, sweep_out = res.setdefault("layers", []), res.setdefault("sweep", [])
+    for name, n, k in SHAPES:
+        wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
+        w = lowbit.quantize_rtn(wb, 4, 128, False)
+        ws = [w] + [w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone())
+                    for _ in range(copies_for(nbytes(w)) - 1)]  # fmt: skip
+        bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)]
+        for m in (1, 5, 16):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+            row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m}
+            row["bf16_us"] = graph_us(lambda i, x=x: ops.linear(x, bs[i]), len(bs))
+            row["triton_us"] = graph_us(lambda i, x=x: kernels.wint_gemm(x, ws[i]), len(ws))
+            row["mma_us"] = graph_us(lambda i, x=x: mma(x, ws[i]), len(ws))
+            row["mma_config"] = lowbit_mma.mma_config(m, n, k)
+            row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
+            row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
+            rows_out.append(row)
+            print(row, flush=True)
+            if not sweep or m == 5:
+                continue
+            steps = k // 128
+            for warps, reps, prefetch in itertools.product((1, 2, 4), (1, 2, 4), (1, 2)):
+                for split in (1, 2, 4, 8, 16, 32):
+                    if steps % split or steps // split < 2:
+                        continue
+                    cfg = (16 * warps * reps, warps, split, prefetch)
+                    try:
+                        us = graph_us(lambda i, x=x, c=cfg: mma(x, ws[i], config=c), len(ws))
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
+                        print(name, m, cfg, type(e).__name__, str(e)[:200], flush=True)
+                        us = float("nan")
+                    sweep_out.append({"layer": name, "m": m, "config": cfg, "us": us})
+            best = min((s for s in sweep_out if s["layer"] == name and s["m"] == m and s["us"] == s["us"]),
+                       key=lambda s: s["us"])  # fmt: skip
+            print(f"  best {name} M={m}: {best['config']} {best['us']:.1f} us", flush=True)
+        del ws, bs
+        torch.cuda.empty_cache()
+
+
+def table(res: dict[str, Any]) -> None:
+    print(f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'mma TB/s':>8} {'best us':>8}  best")
+    for r in res.get("layers", []):
+        cands = [s for s in res.get("sweep", []) if s["layer"] == r["layer"] and s["m"] == r["m"] and s["us"] == s["us"]]
+        best = min(cands, key=lambda s: s["us"]) if cands else None
+        print(
+            f"{r['layer']:8} {r['m']:>3} {r['bf16_us']:8.1f} {r['triton_us']:9.1f} {r['mma_us']:7.1f} "
+            f"{r['mma_tbps']:8.2f} {best['us'] if best else float('nan'):8.1f}  {best['config'] if best else ''}"
+        )
+    tot = {m: [sum(r[c] for r in res["layers"] if r["m"] == m) for c in ("bf16_us", "triton_us", "mma_us")]
+           for m in (1, 5, 16)}  # fmt: skip
+    for m, (b, t, q) in tot.items():
+        print(f"a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} ({t / q:.2f}x triton)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args()
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    if not args.skip_checks:
+        checks(res, gen)
+        write_json(args.json, res)
+    timings(res, gen, not args.no_sweep)
+    write_json(args.json, res)
+    table(res)
+
+
+if __name__ == "__main__":
+    main()

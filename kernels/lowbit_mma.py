@@ -1,0 +1,303 @@
+"""INT4 weight-only matmuls of 1-16 rows on the tensor cores, with the weights loaded straight into the MMA's
+registers (Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T, x in bf16 or fp16.
+
+Why: the Triton kernel (`kernels/lowbit.py` `_wint_kernel`) loads the codes in a blocked layout and Triton moves
+the dequantized tile through shared memory into the MMA's operand layout every K step (stores, barriers, loads).
+At one row that round trip and the step's chain of waits behind it held the layers at 1.6-2.0 TB/s of INT4
+bytes (benchmarks/NOTES.md, runs 84-108). Here each thread loads, with plain vector loads, exactly the packed
+words whose codes are its own operand registers, so nothing goes through shared memory in the K loop.
+
+The layout is kernels/lowbit.py's (compressed-tensors' pack-quantized words, float32 scales `[K / group, N]`,
+uint8 zero points or none); nothing is repacked. The tile is computed transposed, as the Triton kernel's
+(`SWAP_AB`): the weight rows on the `mma.sync.m16n8k16` instruction's 16-row side (operand A), the token rows,
+8 or 16, on its 8-column side (operand B). A K step is one group of 128 columns = 16 words a row, and the
+step's dot splits into eight dots of K = 16 by code position: dot j takes code j of every word (column
+`8 * word + j`) against the activations at those columns. In the A operand's layout (two consecutive K
+elements a register) a thread holds words (row, 2t) and (row, 2t + 1) and the same eight columns on: the two
+words' code j is one bf16x2 register of dot j's operand, made by the `prmt` / `lop3` / `fma` chain of
+`_int4_halves` (Marlin's trick): code - zero, exact. The group's scale multiplies the step's float32 sum.
+
+Latency: the words of the next PREFETCH steps are in flight while a step computes (registers, not shared
+memory), and the first steps' words are asked for before the kernel waits on the one before it
+(programmatic dependent launch): the weights never depend on it. K splits across programs as in
+kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in split order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .fp8 import INTERPRET
+from .fp8_gemm import MAX_TILES, tile_counters
+from .pdl import pdl_options
+
+_INT4_ASM = """
+{
+.reg .b32 t0, t1, s, one;
+mov.b32 one, ONE;
+prmt.b32 t0, $8, $9, 0x5410;
+prmt.b32 t1, $8, $9, 0x7632;
+lop3.b32 s, t0, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $0, s, one, $10;
+shr.u32 s, t0, 4;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $1, s, one, $10;
+shr.u32 s, t0, 8;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $2, s, one, $10;
+shr.u32 s, t0, 12;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $3, s, one, $10;
+lop3.b32 s, t1, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $4, s, one, $10;
+shr.u32 s, t1, 4;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $5, s, one, $10;
+shr.u32 s, t1, 8;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $6, s, one, $10;
+shr.u32 s, t1, 12;
+lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TY $7, s, one, $10;
+}
+"""
+BF16_ASM = gl.constexpr(
+    _INT4_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2")
+)
+FP16_ASM = gl.constexpr(
+    _INT4_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace("TY", "f16x2")
+)
+
+
+@gluon.jit
+def _pdl_wait(USE_PDL: gl.constexpr):
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pdl_launch(USE_PDL: gl.constexpr):
+    if USE_PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def _words(w_ptr, rows, row_ok, k0, stride_w, wcols):
+    """One step's packed words `[BLOCK_N, 16]` (group of 128 columns from column k0), in the A operand's layout."""
+    offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // 8 + wcols)[None, :]
+    return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
+
+
+@gluon.jit
+def _params(s_ptr, z_ptr, g, srows, zrows, N, HAS_ZERO: gl.constexpr):
+    """Group g's scales (the accumulator's row layout) and zero points (the A operand's row layout)."""
+    s = gl.load(s_ptr + g * N + srows, mask=srows < N, other=0.0)
+    if HAS_ZERO:
+        z = gl.load(z_ptr + g * N + zrows, mask=zrows < N, other=0).to(gl.float32)
+    else:
+        z = gl.full(zrows.shape, 8.0, gl.float32, zrows.type.layout)
+    return s, z
+
+
+@gluon.jit
+def _columns(x_rows, m_ok, k0, xw, xj, b_layout: gl.constexpr):
+    """The activations of one step dealt by code position: eight `[16, BLOCK_M]` B operands, operand j holding
+    columns `k0 + 8 * word + j`. A thread's 32 columns of a row are two runs of 16 (words 2t, 2t + 1 and
+    2t + 8, 2t + 9), loaded 16 bytes at a time and split in registers."""
+    x = gl.load(x_rows[None, :, None] + (k0 + 8 * xw[:, None, None] + xj[None, None, :]), mask=m_ok[None, :, None],
+                other=0.0)
+    x = gl.reshape(x, [16, x.shape[1], 2, 2, 2])  # j = 4a + 2b + c
+    e, o = gl.split(x)
+    e0, e1 = gl.split(e)
+    o0, o1 = gl.split(o)
+    x0, x4 = gl.split(e0)
+    x2, x6 = gl.split(e1)
+    x1, x5 = gl.split(o0)
+    x3, x7 = gl.split(o1)
+    return (
+        gl.convert_layout(x0, b_layout, assert_trivial=True),
+        gl.convert_layout(x1, b_layout, assert_trivial=True),
+        gl.convert_layout(x2, b_layout, assert_trivial=True),
+        gl.convert_layout(x3, b_layout, assert_trivial=True),
+        gl.convert_layout(x4, b_layout, assert_trivial=True),
+        gl.convert_layout(x5, b_layout, assert_trivial=True),
+        gl.convert_layout(x6, b_layout, assert_trivial=True),
+        gl.convert_layout(x7, b_layout, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _step(acc, words, s, z, xs, ASM: gl.constexpr, MAGIC: gl.constexpr):
+    DT: gl.constexpr = xs[0].dtype
+    words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
+    ws = gl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
+    )
+    step = gl.zeros_like(acc)
+    for j in gl.static_range(8):
+        step = mma_v2(ws[j], xs[j], step)
+    return acc + step * s[:, None]
+
+
+@gluon.jit
+def _int4_mma_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
+    HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr,
+):  # fmt: skip
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    if DT == gl.bfloat16:
+        ASM: gl.constexpr = BF16_ASM
+        MAGIC: gl.constexpr = 128.0
+    else:
+        ASM: gl.constexpr = FP16_ASM
+        MAGIC: gl.constexpr = 1024.0
+    GROUP: gl.constexpr = 128
+
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    k_lo = split * K_SPLIT
+    steps = K_SPLIT // GROUP
+
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    row_ok = rows < N
+    wcols = gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
+    srows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    # The activations' step tile [16 words, BLOCK_M rows, 8 codes]: a thread holds a row's words 2t, 2t + 1
+    # (and 2t + 8, 2t + 9) whole, so that split by code position each is the B operand's layout.
+    X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0]] + (
+        [[0, 8, 0]] if BLOCK_M == 16 else []
+    )
+    X_WARPS: gl.constexpr = [[0, 0, 0]] * (WARPS.bit_length() - 1)
+    x_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=X_REGS, lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=X_WARPS, block_bases=[], shape=[16, BLOCK_M, 8],
+    )
+    xw = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
+    xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
+    xj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
+    m_ok = xm < M
+    x_rows = x_ptr + xm.to(gl.int64) * stride_x
+
+    # The weights do not depend on the kernel before: the first steps' words and parameters are asked for before
+    # waiting on it.
+    w0 = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
+    s0, z0 = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
+    if PREFETCH >= 2:
+        w1 = _words(w_ptr, rows, row_ok, k_lo + GROUP * (steps > 1), stride_w, wcols)
+        s1, z1 = _params(s_ptr, z_ptr, k_lo // GROUP + (steps > 1), srows, rows, N, HAS_ZERO)
+    _pdl_wait(USE_PDL)
+    _pdl_launch(USE_PDL)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    for i in range(steps):
+        k0 = k_lo + i * GROUP
+        ahead = gl.minimum(i + PREFETCH, steps - 1)
+        wn = _words(w_ptr, rows, row_ok, k_lo + ahead * GROUP, stride_w, wcols)
+        sn, zn = _params(s_ptr, z_ptr, k_lo // GROUP + ahead, srows, rows, N, HAS_ZERO)
+        xs = _columns(x_rows, m_ok, k0, xw, xj, b_layout)
+        acc = _step(acc, w0, s0, z0, xs, ASM, MAGIC)
+        if PREFETCH >= 2:
+            w0, s0, z0 = w1, s1, z1
+            w1, s1, z1 = wn, sn, zn
+        else:
+            w0, s0, z0 = wn, sn, zn
+
+    out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    ok = (srows < N)[:, None] & (out_rows < M)[None, :]
+    if SPLIT:
+        pieces = gl.num_programs(1)
+        part = part_ptr + out_rows.to(gl.int64)[None, :] * N + srows[:, None]
+        gl.store(part + split * M * N, acc, mask=ok)
+        gl.thread_barrier()
+        last = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == pieces - 1
+        if last:
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            for p in range(0, pieces):
+                total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _store(total, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS)
+    else:
+        _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS)
+
+
+@gluon.jit
+def _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS: gl.constexpr):
+    """The transposed tile `[BLOCK_N, BLOCK_M]` (plus the bias) stored into y `[M, N]` in y's dtype."""
+    if HAS_BIAS:
+        acc = acc + gl.load(b_ptr + srows, mask=srows < N, other=0.0).to(gl.float32)[:, None]
+    y = y_ptr + out_rows.to(gl.int64)[None, :] * stride_y + srows[:, None]
+    gl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def usable(x: torch.Tensor, bits: int, group: int) -> bool:
+    """Whether `int4_mma` takes this layer: INT4 in groups of 128, bf16 or fp16 activations on an NVIDIA GPU of
+    compute capability 8.0 or later (mma.sync), not under Triton's interpreter (which cannot run Gluon);
+    `TINYPAGED_INT4_MMA=0` turns it off."""
+    return (
+        bits == 4
+        and group == 128
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_cuda
+        and not INTERPRET
+        and os.environ.get("TINYPAGED_INT4_MMA", "1") != "0"
+        and torch.cuda.get_device_capability(x.device)[0] >= 8
+    )
+
+
+def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, WARPS, SPLIT, PREFETCH): four warps of two 16-row tiles, K split until about 16 warps a
+    multiprocessor (each piece at least four steps)."""
+    warps = 4
+    block_n = 32 * warps
+    tiles = triton.cdiv(n, block_n)
+    steps = k // 128
+    split = 1
+    while tiles * split * warps < 16 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 4:
+        split *= 2
+    return block_n, warps, split, 2
+
+
+def int4_mma(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
+    layout). `config`: (BLOCK_N, WARPS, SPLIT, PREFETCH), default `mma_config`."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
+    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
+    block_n, warps, split, prefetch = config or mma_config(m, n, k)
+    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, block_n)
+    if split > 1:
+        assert tiles <= MAX_TILES
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = tile_counters(x.device)
+    else:
+        part = counters = y
+    _int4_mma_kernel[(tiles, split)](
+        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
+        y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=8 if m <= 8 else 16,
+        BLOCK_N=block_n, WARPS=warps, PREFETCH=prefetch, num_warps=warps, **pdl_options(x),
+    )  # fmt: skip
+    return y
