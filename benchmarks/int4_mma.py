@@ -42,7 +42,9 @@ def nbytes(w: lowbit.IntWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
 
 
-def mma(x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None = None, config: Any = None) -> torch.Tensor:
+def mma(
+    x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None = None, config: Any = None
+) -> torch.Tensor:
     return lowbit_mma.int4_mma(x, w.qweight, w.scales, w.zeros, bias, config)
 
 
@@ -67,13 +69,26 @@ def checks(res: dict[str, Any], gen: torch.Generator) -> None:
             if m == 16:
                 alone = torch.cat([mma(x[i : i + 1], w, bias) for i in range(m)])
                 row["row_alone_equal"] = bool(torch.equal(alone, got))
+            if m in (1, 9):  # the other step forms: two groups a step, zero points folded
+                for gs, fold in ((2, False), (1, True), (2, True)):
+                    block_n, warps, split = lowbit_mma.mma_config(m, n, k)[:3]
+                    while split > 1 and (k // 128) % (split * gs):
+                        split //= 2
+                    if (k // 128) % (split * gs):
+                        continue
+                    cfg = (block_n, warps, split, gs, fold)
+                    row[f"err_gs{gs}_fold{int(fold)}"] = e = rel_err(mma(x, w, bias, cfg), want)
+                    row["err"] = max(row["err"], e)
             row["ok"] = row["err"] < 5e-3 and row["same_twice"] and row.get("row_alone_equal", True)
             out.append(row)
             if not row["ok"]:
                 print("CHECK FAILED", row, flush=True)
         del w32, w, ref_w
     bad = [c for c in out if not c["ok"]]
-    print(f"checks: {len(out) - len(bad)} of {len(out)} pass; worst err {max(c['err'] for c in out):.2e}", flush=True)
+    print(
+        f"checks: {len(out) - len(bad)} of {len(out)} pass; worst err {max(c['err'] for c in out):.2e}",
+        flush=True,
+    )
 
 
 def copies_for(n: int, past: float = 256e6) -> int:
@@ -88,27 +103,30 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
         ws = [w] + [w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone())
                     for _ in range(copies_for(nbytes(w)) - 1)]  # fmt: skip
         bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)]
-        for m in (1, 5, 16):
+        for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
             row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m}
-            row["bf16_us"] = graph_us(lambda i, x=x: ops.linear(x, bs[i]), len(bs))
-            row["triton_us"] = graph_us(lambda i, x=x: kernels.wint_gemm(x, ws[i]), len(ws))
-            row["mma_us"] = graph_us(lambda i, x=x: mma(x, ws[i]), len(ws))
+            row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
+            row["triton_us"] = graph_us(lambda i, x=x, ws=ws: kernels.wint_gemm(x, ws[i]), len(ws))
+            row["mma_us"] = graph_us(lambda i, x=x, ws=ws: mma(x, ws[i]), len(ws))
             row["mma_config"] = lowbit_mma.mma_config(m, n, k)
             row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
-            if not sweep or m == 5:
+            if not sweep or m not in (1, 16):
                 continue
             steps = k // 128
-            for warps, reps, prefetch in itertools.product((1, 2, 4), (1, 2, 4), (1, 2)):
-                for split in (1, 2, 4, 8, 16, 32):
-                    if steps % split or steps // split < 2:
+            rule = lowbit_mma.mma_config(m, n, k)[2]
+            for (warps, reps), gs, fold in itertools.product(
+                ((4, 1), (4, 2), (2, 2), (1, 2)), (1, 2), (False, True)
+            ):
+                for split in (rule // 2, rule, rule * 2):
+                    if split < 1 or steps % (split * gs) or steps // split < 2 * gs:
                         continue
-                    cfg = (16 * warps * reps, warps, split, prefetch)
+                    cfg = (16 * warps * reps, warps, split, gs, fold)
                     try:
-                        us = graph_us(lambda i, x=x, c=cfg: mma(x, ws[i], config=c), len(ws))
+                        us = graph_us(lambda i, x=x, c=cfg, ws=ws: mma(x, ws[i], config=c), len(ws))
                     except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
                         print(name, m, cfg, type(e).__name__, str(e)[:200], flush=True)
                         us = float("nan")
@@ -120,19 +138,88 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int], tuple]:
+    """The sweep's fastest tiling by (N, K, M) at the rows it swept."""
+    best: dict[tuple[int, int, int], tuple[float, tuple]] = {}
+    for srow in res.get("sweep", []):
+        n, k = next((n, k) for name, n, k in SHAPES if name == srow["layer"])
+        key = (n, k, srow["m"])
+        if srow["us"] == srow["us"] and (key not in best or srow["us"] < best[key][0]):
+            best[key] = (srow["us"], tuple(srow["config"]))
+    return {key: cfg for key, (_, cfg) in best.items()}
+
+
+def decode(res: dict[str, Any], model: str) -> None:
+    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements) of bf16, INT4 through the Triton kernel
+    (`TINYPAGED_INT4_MMA=0`), INT4 through `int4_mma` at its default tilings and, where the sweep ran, at the
+    sweep's fastest (M = 1's up to 8 rows, M = 16's above), one engine after the other in this process."""
+    import os
+
+    from common import free_llm, run_latency
+    from lowbit import run_batch
+
+    from tinypaged import LLM
+
+    out = res.setdefault("decode", {})
+    table = best_configs(res)
+    default = lowbit_mma.mma_config
+    variants = [("bf16", {}, None, None), ("int4-triton", {"quantization": "int4"}, "0", None),
+                ("int4-mma", {"quantization": "int4"}, "1", None)]  # fmt: skip
+    if table:
+        variants.append(("int4-mma-swept", {"quantization": "int4"}, "1", table))
+    for name, kw, env, tab in variants:
+        os.environ["TINYPAGED_INT4_MMA"] = env or "1"
+        if tab:
+            lowbit_mma.mma_config = lambda m, n, k, sms=132, t=tab: (
+                t.get((n, k, 1 if m <= 8 else 16)) or default(m, n, k, sms)
+            )
+        try:
+            llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **kw)
+            lat = run_latency(llm, modes=("graphs",))
+            b16 = run_batch(llm)
+            b16.pop("tokens", None)
+            out[name] = {"batch1": lat.get("graphs", {}), "batch16": b16}
+            free_llm(llm)
+        finally:
+            lowbit_mma.mma_config = default
+            os.environ.pop("TINYPAGED_INT4_MMA", None)
+        b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
+        print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
+
+
 def table(res: dict[str, Any]) -> None:
-    print(f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'mma TB/s':>8} {'best us':>8}  best")
+    print(
+        f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'mma TB/s':>8} {'best us':>8}  best"
+    )
     for r in res.get("layers", []):
-        cands = [s for s in res.get("sweep", []) if s["layer"] == r["layer"] and s["m"] == r["m"] and s["us"] == s["us"]]
+        cands = [
+            s
+            for s in res.get("sweep", [])
+            if s["layer"] == r["layer"] and s["m"] == r["m"] and s["us"] == s["us"]
+        ]
         best = min(cands, key=lambda s: s["us"]) if cands else None
         print(
             f"{r['layer']:8} {r['m']:>3} {r['bf16_us']:8.1f} {r['triton_us']:9.1f} {r['mma_us']:7.1f} "
             f"{r['mma_tbps']:8.2f} {best['us'] if best else float('nan'):8.1f}  {best['config'] if best else ''}"
         )
     tot = {m: [sum(r[c] for r in res["layers"] if r["m"] == m) for c in ("bf16_us", "triton_us", "mma_us")]
-           for m in (1, 5, 16)}  # fmt: skip
+           for m in sorted({r["m"] for r in res["layers"]})}  # fmt: skip
     for m, (b, t, q) in tot.items():
-        print(f"a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} ({t / q:.2f}x triton)")
+        print(
+            f"a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} ({t / q:.2f}x triton)"
+        )
+    dec = res.get("decode", {})
+    if dec:
+        base = dec.get("bf16", {})
+        print(f"\n{'engine':15} {'b1 tok/s':>9} {'x bf16':>7} {'b16 tok/s':>10} {'x bf16':>7}")
+        for name, r in dec.items():
+            b1, b16 = (
+                r["batch1"].get("decode_tokens_per_s", float("nan")),
+                r["batch16"]["decode_tokens_per_s"],
+            )
+            x1 = b1 / base["batch1"]["decode_tokens_per_s"] if base else float("nan")
+            x16 = b16 / base["batch16"]["decode_tokens_per_s"] if base else float("nan")
+            print(f"{name:15} {b1:9.1f} {x1:7.3f} {b16:10.1f} {x16:7.3f}")
 
 
 def main() -> None:
@@ -140,14 +227,20 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-layers", action="store_true")
+    ap.add_argument("--decode", metavar="MODEL", help="also the engines' decode on this checkpoint")
     args = ap.parse_args()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     gen = torch.Generator(device=DEV).manual_seed(0)
     if not args.skip_checks:
         checks(res, gen)
         write_json(args.json, res)
-    timings(res, gen, not args.no_sweep)
-    write_json(args.json, res)
+    if not args.skip_layers:
+        timings(res, gen, not args.no_sweep)
+        write_json(args.json, res)
+    if args.decode:
+        decode(res, args.decode)
+        write_json(args.json, res)
     table(res)
 
 

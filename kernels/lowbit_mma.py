@@ -67,6 +67,31 @@ lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
 fma.rn.TY $7, s, one, $10;
 }
 """
+# The same codes as halves of MAGIC + code, no zero point taken away (FOLD: the kernel takes (MAGIC + zero) times
+# the step's column sums away from the step's float32 sums instead).
+_RAW_ASM = """
+{
+.reg .b32 t0, t1, s;
+prmt.b32 t0, $8, $9, 0x5410;
+prmt.b32 t1, $8, $9, 0x7632;
+lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t0, 4;
+lop3.b32 $1, s, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t0, 8;
+lop3.b32 $2, s, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t0, 12;
+lop3.b32 $3, s, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $4, t1, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t1, 4;
+lop3.b32 $5, s, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t1, 8;
+lop3.b32 $6, s, 0x000F000F, MAGIC, 0xEA;
+shr.u32 s, t1, 12;
+lop3.b32 $7, s, 0x000F000F, MAGIC, 0xEA;
+}
+"""
+BF16_RAW_ASM = gl.constexpr(_RAW_ASM.replace("MAGIC", "0x43004300"))
+FP16_RAW_ASM = gl.constexpr(_RAW_ASM.replace("MAGIC", "0x64006400"))
 BF16_ASM = gl.constexpr(
     _INT4_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2")
 )
@@ -78,7 +103,9 @@ FP16_ASM = gl.constexpr(
 @gluon.jit
 def _pdl_wait(USE_PDL: gl.constexpr):
     if USE_PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
 
 @gluon.jit
@@ -112,8 +139,11 @@ def _columns(x_rows, m_ok, k0, xw, xj, b_layout: gl.constexpr):
     """The activations of one step dealt by code position: eight `[16, BLOCK_M]` B operands, operand j holding
     columns `k0 + 8 * word + j`. A thread's 32 columns of a row are two runs of 16 (words 2t, 2t + 1 and
     2t + 8, 2t + 9), loaded 16 bytes at a time and split in registers."""
-    x = gl.load(x_rows[None, :, None] + (k0 + 8 * xw[:, None, None] + xj[None, None, :]), mask=m_ok[None, :, None],
-                other=0.0)
+    x = gl.load(
+        x_rows[None, :, None] + (k0 + 8 * xw[:, None, None] + xj[None, None, :]),
+        mask=m_ok[None, :, None],
+        other=0.0,
+    )
     x = gl.reshape(x, [16, x.shape[1], 2, 2, 2])  # j = 4a + 2b + c
     e, o = gl.split(x)
     e0, e1 = gl.split(e)
@@ -135,16 +165,28 @@ def _columns(x_rows, m_ok, k0, xw, xj, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(acc, words, s, z, xs, ASM: gl.constexpr, MAGIC: gl.constexpr):
+def _step(acc, words, s, z, xs, ones, ASM: gl.constexpr, MAGIC: gl.constexpr, FOLD: gl.constexpr):
+    """acc + one step's dots (eight, by code position) times the group's scales."""
     DT: gl.constexpr = xs[0].dtype
-    words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
-    ws = gl.inline_asm_elementwise(
-        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
-    )
     step = gl.zeros_like(acc)
-    for j in gl.static_range(8):
-        step = mma_v2(ws[j], xs[j], step)
-    return acc + step * s[:, None]
+    if FOLD:  # dots of MAGIC + code; the ones' dots are the step's column sums
+        ws = gl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words], (xs[0].dtype,) * 8, is_pure=True, pack=2
+        )
+        sums = gl.zeros_like(acc)
+        for j in gl.static_range(8):
+            step = mma_v2(ws[j], xs[j], step)
+            sums = mma_v2(ones, xs[j], sums)
+        out = acc + step * s[:, None] - sums * (s * (z + MAGIC))[:, None]
+    else:
+        words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
+        ws = gl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
+        )
+        for j in gl.static_range(8):
+            step = mma_v2(ws[j], xs[j], step)
+        out = acc + step * s[:, None]
+    return out
 
 
 @gluon.jit
@@ -152,17 +194,19 @@ def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr,
+    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     DT: gl.constexpr = x_ptr.dtype.element_ty
     if DT == gl.bfloat16:
-        ASM: gl.constexpr = BF16_ASM
+        ASM: gl.constexpr = BF16_RAW_ASM if FOLD else BF16_ASM
         MAGIC: gl.constexpr = 128.0
     else:
-        ASM: gl.constexpr = FP16_ASM
+        ASM: gl.constexpr = FP16_RAW_ASM if FOLD else FP16_ASM
         MAGIC: gl.constexpr = 1024.0
     GROUP: gl.constexpr = 128
 
@@ -182,8 +226,11 @@ def _int4_mma_kernel(
     )
     X_WARPS: gl.constexpr = [[0, 0, 0]] * (WARPS.bit_length() - 1)
     x_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=X_REGS, lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        warp_bases=X_WARPS, block_bases=[], shape=[16, BLOCK_M, 8],
+        reg_bases=X_REGS,
+        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=X_WARPS,
+        block_bases=[],
+        shape=[16, BLOCK_M, 8],
     )
     xw = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
@@ -191,29 +238,35 @@ def _int4_mma_kernel(
     m_ok = xm < M
     x_rows = x_ptr + xm.to(gl.int64) * stride_x
 
-    # The weights do not depend on the kernel before: the first steps' words and parameters are asked for before
-    # waiting on it.
-    w0 = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
-    s0, z0 = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
-    if PREFETCH >= 2:
-        w1 = _words(w_ptr, rows, row_ok, k_lo + GROUP * (steps > 1), stride_w, wcols)
-        s1, z1 = _params(s_ptr, z_ptr, k_lo // GROUP + (steps > 1), srows, rows, N, HAS_ZERO)
+    # The weights do not depend on the kernel before: the first step's words and parameters are asked for
+    # before waiting on it. A step is GS groups (GS x 64 bytes of each weight row); the next step's are asked for
+    # while a step computes.
+    zr = srows if FOLD else rows
+    wa = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
+    sa, za = _params(s_ptr, z_ptr, k_lo // GROUP, srows, zr, N, HAS_ZERO)
+    if GS == 2:
+        wb = _words(w_ptr, rows, row_ok, k_lo + GROUP, stride_w, wcols)
+        sb, zb = _params(s_ptr, z_ptr, k_lo // GROUP + 1, srows, zr, N, HAS_ZERO)
     _pdl_wait(USE_PDL)
     _pdl_launch(USE_PDL)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for i in range(steps):
-        k0 = k_lo + i * GROUP
-        ahead = gl.minimum(i + PREFETCH, steps - 1)
-        wn = _words(w_ptr, rows, row_ok, k_lo + ahead * GROUP, stride_w, wcols)
-        sn, zn = _params(s_ptr, z_ptr, k_lo // GROUP + ahead, srows, rows, N, HAS_ZERO)
-        xs = _columns(x_rows, m_ok, k0, xw, xj, b_layout)
-        acc = _step(acc, w0, s0, z0, xs, ASM, MAGIC)
-        if PREFETCH >= 2:
-            w0, s0, z0 = w1, s1, z1
-            w1, s1, z1 = wn, sn, zn
-        else:
-            w0, s0, z0 = wn, sn, zn
+    ones = gl.full([BLOCK_N, 16], 1.0, DT, a_layout)
+    for i in range(steps // GS):
+        k0 = k_lo + i * GS * GROUP
+        kn = k_lo + gl.minimum(i + 1, steps // GS - 1) * GS * GROUP  # the last step asks for its own again
+        wan = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
+        san, zan = _params(s_ptr, z_ptr, kn // GROUP, srows, zr, N, HAS_ZERO)
+        if GS == 2:
+            wbn = _words(w_ptr, rows, row_ok, kn + GROUP, stride_w, wcols)
+            sbn, zbn = _params(s_ptr, z_ptr, kn // GROUP + 1, srows, zr, N, HAS_ZERO)
+        acc = _step(acc, wa, sa, za, _columns(x_rows, m_ok, k0, xw, xj, b_layout), ones, ASM, MAGIC, FOLD)
+        wa, sa, za = wan, san, zan
+        if GS == 2:
+            acc = _step(
+                acc, wb, sb, zb, _columns(x_rows, m_ok, k0 + GROUP, xw, xj, b_layout), ones, ASM, MAGIC, FOLD
+            )
+            wb, sb, zb = wbn, sbn, zbn
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
@@ -257,17 +310,18 @@ def usable(x: torch.Tensor, bits: int, group: int) -> bool:
     )
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_N, WARPS, SPLIT, PREFETCH): four warps of two 16-row tiles, K split until about 16 warps a
-    multiprocessor (each piece at least four steps)."""
-    warps = 4
-    block_n = 32 * warps
+def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_N, WARPS, SPLIT, GS, FOLD): four warps of two 16-row tiles (128 weight rows a program), one
+    step's words prefetched, K split until the programs are about three a multiprocessor (each piece at least
+    two steps). From run 109's graph-timed sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best
+    tiling at each of the 8B shapes: qkv split 8 (8.2 us), o 16 (6.8), gate_up 2 (27.2), down 16 (13.8)."""
+    warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
     steps = k // 128
     split = 1
-    while tiles * split * warps < 16 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 4:
+    while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, 2
+    return block_n, warps, split, 1, False
 
 
 def int4_mma(
@@ -276,7 +330,7 @@ def int4_mma(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
     layout). `config`: (BLOCK_N, WARPS, SPLIT, PREFETCH), default `mma_config`."""
@@ -284,8 +338,8 @@ def int4_mma(
     n = qweight.shape[0]
     assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
-    block_n, warps, split, prefetch = config or mma_config(m, n, k)
-    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0
+    block_n, warps, split, gs, fold = config or mma_config(m, n, k)
+    assert block_n % (16 * warps) == 0 and (k // 128) % (split * gs) == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -298,6 +352,6 @@ def int4_mma(
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
         HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, PREFETCH=prefetch, num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, GS=gs, FOLD=fold, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y
