@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 from typing import Any
 
@@ -229,8 +230,12 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-layers", action="store_true")
     ap.add_argument("--decode", metavar="MODEL", help="also the engines' decode on this checkpoint")
+    ap.add_argument("--resume", action="store_true", help="start from --json's results (a sweep for --decode)")
     args = ap.parse_args()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.resume:
+        with open(args.json) as f:
+            res = json.load(f)
     gen = torch.Generator(device=DEV).manual_seed(0)
     if not args.skip_checks:
         checks(res, gen)
