@@ -230,7 +230,9 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-layers", action="store_true")
     ap.add_argument("--decode", metavar="MODEL", help="also the engines' decode on this checkpoint")
-    ap.add_argument("--resume", action="store_true", help="start from --json's results (a sweep for --decode)")
+    ap.add_argument(
+        "--resume", action="store_true", help="start from --json's results (a sweep for --decode)"
+    )
     args = ap.parse_args()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.resume:

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8 import INTERPRET
-from .fp8_gemm import MAX_TILES, tile_counters
+from .fp8_gemm import MAX_TILES, split_unroll, tile_counters
 from .pdl import pdl_options
 
 _INT4_ASM = """
@@ -194,7 +194,7 @@ def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, USE_PDL: gl.constexpr,
+    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -270,16 +270,19 @@ def _int4_mma_kernel(
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
-    if SPLIT:
-        pieces = gl.num_programs(1)
+    if SPLIT > 1:
         part = part_ptr + out_rows.to(gl.int64)[None, :] * N + srows[:, None]
         gl.store(part + split * M * N, acc, mask=ok)
         gl.thread_barrier()
-        last = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == pieces - 1
+        last = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
         if last:
             total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            for p in range(0, pieces):
-                total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if UNROLL:  # every piece's load in flight at once, summed in piece order
+                for p in gl.static_range(SPLIT):
+                    total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            else:
+                for p in range(0, SPLIT):
+                    total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _store(total, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS)
     else:
@@ -333,7 +336,7 @@ def int4_mma(
     config: tuple[int, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
-    layout). `config`: (BLOCK_N, WARPS, SPLIT, PREFETCH), default `mma_config`."""
+    layout). `config`: (BLOCK_N, WARPS, SPLIT, GS, FOLD), default `mma_config`."""
     m, k = x.shape
     n = qweight.shape[0]
     assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
@@ -351,7 +354,7 @@ def int4_mma(
     _int4_mma_kernel[(tiles, split)](
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=8 if m <= 8 else 16,
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, UNROLL=split_unroll(), BLOCK_M=8 if m <= 8 else 16,
         BLOCK_N=block_n, WARPS=warps, GS=gs, FOLD=fold, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

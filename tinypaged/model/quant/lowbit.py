@@ -36,7 +36,7 @@ GEMV_ROWS = 4
 GEMM_ROWS = 64
 # INT4 steps of up to MMA_ROWS rows, groups of 128, go through kernels/lowbit_mma.py (the weights loaded straight
 # into the tensor cores' registers) where `lowbit_mma.usable` says it runs.
-MMA_ROWS = 16
+MMA_ROWS = 8
 
 
 class IntWeight(NamedTuple):
