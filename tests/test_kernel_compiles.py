@@ -399,3 +399,42 @@ def test_attention_tiles_of_head_dim_256_fit_hopper(decode: bool) -> None:
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
+def _int4_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tinypaged.kernels.lowbit_mma import _int4_mma_kernel as fn
+
+    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, dtype if a.endswith("_ptr") else "i32")
+        for a in fn.arg_names
+    }
+    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr" and a != "M"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs["WARPS"]})
+
+
+@pytest.mark.parametrize(("block_m", "split", "gs", "fold"), [(8, 1, 1, False), (8, 8, 2, True), (16, 2, 1, True)])
+def test_int4_mma_kernel_compiles_for_hopper(block_m: int, split: int, gs: int, fold: bool) -> None:
+    """The Gluon INT4 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded straight into
+    mma.sync's registers: no shared memory but a split's one broadcast of its counter, the packed words in
+    8-byte loads issued before the wait on the kernel before (programmatic dependent launch), the activations in
+    16-byte loads after it, the codes turned into bf16 or fp16 pairs by the inline PTX."""
+    from tinypaged.kernels.lowbit_mma import mma_config
+
+    block_n, warps = mma_config(1, 4096, 4096)[:2]
+    constexprs = {"HAS_ZERO": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    constexprs |= {"WARPS": warps, "GS": gs, "FOLD": fold, "UNROLL": True, "USE_PDL": True}
+    for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
+        kernel = _int4_mma_compile(constexprs, dtype)
+        ptx = kernel.asm["ptx"]
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32{pair}{pair}.f32" in ptx
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
+        assert ptx.find("ld.global.v4", wait) > wait  # the activations after it
+        assert (f"fma.rn{pair}x2" in ptx) != fold and "lop3.b32" in ptx and "prmt.b32" in ptx
+        # Shared memory only where a split's last program learns it is the last (the counter's value broadcast).
+        assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
