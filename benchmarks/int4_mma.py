@@ -10,7 +10,7 @@ codes (`ref`: x in float32 @ the dequantized weight), beside `wint_gemm`'s; the 
 against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own
 copy of the weight (past the L2), at 1, 5 and 16 rows: bf16 `ops.linear`, `wint_gemm` and `int4_mma` at its
 default, with the weight bytes each reads per second; then a sweep of `int4_mma`'s tilings (warps, 16-row tiles
-a warp, K split, steps prefetched) at 1 and 16 rows. The table is printed last.
+a warp, K split, groups a step, the activations prefetched or not) at 1 and 8 rows. The table is printed last.
 """
 
 from __future__ import annotations
@@ -71,14 +71,21 @@ def checks(res: dict[str, Any], gen: torch.Generator) -> None:
                 alone = torch.cat([mma(x[i : i + 1], w, bias) for i in range(m)])
                 row["row_alone_equal"] = bool(torch.equal(alone, got))
             if m in (1, 9):  # the other step forms: two groups a step, zero points folded
-                for gs, fold in ((2, False), (1, True), (2, True)):
+                for gs, fold, xpre in (
+                    (2, False, False),
+                    (1, True, False),
+                    (2, True, True),
+                    (1, False, True),
+                ):
                     block_n, warps, split = lowbit_mma.mma_config(m, n, k)[:3]
                     while split > 1 and (k // 128) % (split * gs):
                         split //= 2
                     if (k // 128) % (split * gs):
                         continue
-                    cfg = (block_n, warps, split, gs, fold)
-                    row[f"err_gs{gs}_fold{int(fold)}"] = e = rel_err(mma(x, w, bias, cfg), want)
+                    cfg = (block_n, warps, split, gs, fold, xpre)
+                    row[f"err_gs{gs}_fold{int(fold)}_xpre{int(xpre)}"] = e = rel_err(
+                        mma(x, w, bias, cfg), want
+                    )
                     row["err"] = max(row["err"], e)
             row["ok"] = row["err"] < 5e-3 and row["same_twice"] and row.get("row_alone_equal", True)
             out.append(row)
@@ -115,17 +122,15 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
-            if not sweep or m not in (1, 16):
+            if not sweep or m not in (1, 8):
                 continue
             steps = k // 128
             rule = lowbit_mma.mma_config(m, n, k)[2]
-            for (warps, reps), gs, fold in itertools.product(
-                ((4, 1), (4, 2), (2, 2), (1, 2)), (1, 2), (False, True)
-            ):
-                for split in (rule // 2, rule, rule * 2):
+            for (warps, reps), gs, xpre in itertools.product(((4, 1), (4, 2), (2, 2)), (1, 2), (False, True)):
+                for split in (rule // 2, rule, rule * 2, rule * 4):
                     if split < 1 or steps % (split * gs) or steps // split < 2 * gs:
                         continue
-                    cfg = (16 * warps * reps, warps, split, gs, fold)
+                    cfg = (16 * warps * reps, warps, split, gs, False, xpre)
                     try:
                         us = graph_us(lambda i, x=x, c=cfg, ws=ws: mma(x, ws[i], config=c), len(ws))
                     except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
@@ -153,7 +158,7 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int], tuple]:
 def decode(res: dict[str, Any], model: str) -> None:
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements) of bf16, INT4 through the Triton kernel
     (`TINYPAGED_INT4_MMA=0`), INT4 through `int4_mma` at its default tilings and, where the sweep ran, at the
-    sweep's fastest (M = 1's up to 8 rows, M = 16's above), one engine after the other in this process."""
+    sweep's fastest (M = 1's at one row, M = 8's at 2-8), one engine after the other in this process."""
     import os
 
     from common import free_llm, run_latency
@@ -172,7 +177,7 @@ def decode(res: dict[str, Any], model: str) -> None:
         os.environ["TINYPAGED_INT4_MMA"] = env or "1"
         if tab:
             lowbit_mma.mma_config = lambda m, n, k, sms=132, t=tab: (
-                t.get((n, k, 1 if m <= 8 else 16)) or default(m, n, k, sms)
+                t.get((n, k, 1 if m == 1 else 8)) or default(m, n, k, sms)
             )
         try:
             llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **kw)

@@ -550,8 +550,8 @@ def _launch(
     _wint_kernel[grid](
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, y, part, counters,
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
-        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, UNROLL=split_unroll(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
+        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split,
+        UNROLL=split_unroll(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y

@@ -135,15 +135,17 @@ def _params(s_ptr, z_ptr, g, srows, zrows, N, HAS_ZERO: gl.constexpr):
 
 
 @gluon.jit
-def _columns(x_rows, m_ok, k0, xw, xj, b_layout: gl.constexpr):
-    """The activations of one step dealt by code position: eight `[16, BLOCK_M]` B operands, operand j holding
-    columns `k0 + 8 * word + j`. A thread's 32 columns of a row are two runs of 16 (words 2t, 2t + 1 and
-    2t + 8, 2t + 9), loaded 16 bytes at a time and split in registers."""
-    x = gl.load(
-        x_rows[None, :, None] + (k0 + 8 * xw[:, None, None] + xj[None, None, :]),
-        mask=m_ok[None, :, None],
-        other=0.0,
-    )
+def _x_tile(x_rows, m_ok, k0, xw, xj):
+    """The activations of one step `[16 words, BLOCK_M, 8 codes]`: column `k0 + 8 * word + code` of each row. A
+    thread's 32 columns of a row are two runs of 16 (words 2t, 2t + 1 and 2t + 8, 2t + 9): 16-byte loads."""
+    offs = k0 + 8 * xw[:, None, None] + xj[None, None, :]
+    return gl.load(x_rows[None, :, None] + offs, mask=m_ok[None, :, None], other=0.0)
+
+
+@gluon.jit
+def _columns(x, b_layout: gl.constexpr):
+    """A step's activations dealt by code position, in registers: eight `[16, BLOCK_M]` B operands, operand j
+    holding columns `8 * word + j`."""
     x = gl.reshape(x, [16, x.shape[1], 2, 2, 2])  # j = 4a + 2b + c
     e, o = gl.split(x)
     e0, e1 = gl.split(e)
@@ -194,7 +196,8 @@ def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr, USE_PDL: gl.constexpr,
+    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, XPRE: gl.constexpr, UNROLL: gl.constexpr,
+    USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -252,6 +255,10 @@ def _int4_mma_kernel(
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     ones = gl.full([BLOCK_N, 16], 1.0, DT, a_layout)
+    if XPRE:  # the activations too are asked for a step ahead
+        xa = _x_tile(x_rows, m_ok, k_lo, xw, xj)
+        if GS == 2:
+            xb = _x_tile(x_rows, m_ok, k_lo + GROUP, xw, xj)
     for i in range(steps // GS):
         k0 = k_lo + i * GS * GROUP
         kn = k_lo + gl.minimum(i + 1, steps // GS - 1) * GS * GROUP  # the last step asks for its own again
@@ -260,13 +267,23 @@ def _int4_mma_kernel(
         if GS == 2:
             wbn = _words(w_ptr, rows, row_ok, kn + GROUP, stride_w, wcols)
             sbn, zbn = _params(s_ptr, z_ptr, kn // GROUP + 1, srows, zr, N, HAS_ZERO)
-        acc = _step(acc, wa, sa, za, _columns(x_rows, m_ok, k0, xw, xj, b_layout), ones, ASM, MAGIC, FOLD)
+        if XPRE:
+            xan = _x_tile(x_rows, m_ok, kn, xw, xj)
+            if GS == 2:
+                xbn = _x_tile(x_rows, m_ok, kn + GROUP, xw, xj)
+        else:
+            xa = _x_tile(x_rows, m_ok, k0, xw, xj)
+            if GS == 2:
+                xb = _x_tile(x_rows, m_ok, k0 + GROUP, xw, xj)
+        acc = _step(acc, wa, sa, za, _columns(xa, b_layout), ones, ASM, MAGIC, FOLD)
         wa, sa, za = wan, san, zan
         if GS == 2:
-            acc = _step(
-                acc, wb, sb, zb, _columns(x_rows, m_ok, k0 + GROUP, xw, xj, b_layout), ones, ASM, MAGIC, FOLD
-            )
+            acc = _step(acc, wb, sb, zb, _columns(xb, b_layout), ones, ASM, MAGIC, FOLD)
             wb, sb, zb = wbn, sbn, zbn
+        if XPRE:
+            xa = xan
+            if GS == 2:
+                xb = xbn
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
@@ -313,8 +330,8 @@ def usable(x: torch.Tensor, bits: int, group: int) -> bool:
     )
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_N, WARPS, SPLIT, GS, FOLD): four warps of two 16-row tiles (128 weight rows a program), one
+def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, bool, bool]:
+    """(BLOCK_N, WARPS, SPLIT, GS, FOLD, XPRE): four warps of two 16-row tiles (128 weight rows a program), one
     step's words prefetched, K split until the programs are about three a multiprocessor (each piece at least
     two steps). From run 109's graph-timed sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best
     tiling at each of the 8B shapes: qkv split 8 (8.2 us), o 16 (6.8), gate_up 2 (27.2), down 16 (13.8)."""
@@ -324,7 +341,7 @@ def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, i
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, 1, False
+    return block_n, warps, split, 1, False, False
 
 
 def int4_mma(
@@ -333,15 +350,15 @@ def int4_mma(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, bool] | None = None,
+    config: tuple[int, int, int, int, bool, bool] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
-    layout). `config`: (BLOCK_N, WARPS, SPLIT, GS, FOLD), default `mma_config`."""
+    layout). `config`: (BLOCK_N, WARPS, SPLIT, GS, FOLD, XPRE), default `mma_config`."""
     m, k = x.shape
     n = qweight.shape[0]
     assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
-    block_n, warps, split, gs, fold = config or mma_config(m, n, k)
+    block_n, warps, split, gs, fold, xpre = config or mma_config(m, n, k)
     assert block_n % (16 * warps) == 0 and (k // 128) % (split * gs) == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
@@ -354,7 +371,8 @@ def int4_mma(
     _int4_mma_kernel[(tiles, split)](
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, UNROLL=split_unroll(), BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, GS=gs, FOLD=fold, num_warps=warps, **pdl_options(x),
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, UNROLL=split_unroll(),
+        BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, WARPS=warps, GS=gs, FOLD=fold, XPRE=xpre,
+        num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

@@ -417,8 +417,13 @@ def _int4_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs["WARPS"]})
 
 
-@pytest.mark.parametrize(("block_m", "split", "gs", "fold"), [(8, 1, 1, False), (8, 8, 2, True), (16, 2, 1, True)])
-def test_int4_mma_kernel_compiles_for_hopper(block_m: int, split: int, gs: int, fold: bool) -> None:
+@pytest.mark.parametrize(
+    ("block_m", "split", "gs", "fold", "xpre"),
+    [(8, 1, 1, False, False), (8, 8, 2, True, True), (16, 2, 1, True, False)],
+)
+def test_int4_mma_kernel_compiles_for_hopper(
+    block_m: int, split: int, gs: int, fold: bool, xpre: bool
+) -> None:
     """The Gluon INT4 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded straight into
     mma.sync's registers: no shared memory but a split's one broadcast of its counter, the packed words in
     8-byte loads issued before the wait on the kernel before (programmatic dependent launch), the activations in
@@ -427,7 +432,7 @@ def test_int4_mma_kernel_compiles_for_hopper(block_m: int, split: int, gs: int, 
 
     block_n, warps = mma_config(1, 4096, 4096)[:2]
     constexprs = {"HAS_ZERO": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    constexprs |= {"WARPS": warps, "GS": gs, "FOLD": fold, "UNROLL": True, "USE_PDL": True}
+    constexprs |= {"WARPS": warps, "GS": gs, "FOLD": fold, "XPRE": xpre, "UNROLL": True, "USE_PDL": True}
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
         kernel = _int4_mma_compile(constexprs, dtype)
         ptx = kernel.asm["ptx"]
