@@ -126,7 +126,7 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
                 continue
             steps = k // 128
             rule = lowbit_mma.mma_config(m, n, k)[2]
-            for (warps, reps), gs, xpre in itertools.product(((4, 1), (4, 2), (2, 2)), (1, 2), (False, True)):
+            for (warps, reps), gs, xpre in itertools.product(((4, 1), (8, 1), (4, 2), (2, 2)), (1, 2), (False, True)):
                 for split in (rule // 2, rule, rule * 2, rule * 4):
                     if split < 1 or steps % (split * gs) or steps // split < 2 * gs:
                         continue
