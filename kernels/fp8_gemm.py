@@ -22,8 +22,6 @@ only (`split_k`), so a row's sums are taken in the same order at every row count
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +57,6 @@ def _fp8_gemm_kernel(
     SWAP_AB: tl.constexpr,
     SPLIT: tl.constexpr,
     SCALED: tl.constexpr,
-    UNROLL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of y: the FP8 products summed in float32 over K (SPLIT: over piece
@@ -78,7 +75,7 @@ def _fp8_gemm_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
     k_lo = 0
     k_hi = K
-    if SPLIT > 1:
+    if SPLIT:
         k_lo = tl.program_id(2) * K_SPLIT
         k_hi = tl.minimum(K, k_lo + K_SPLIT)
     pdl_start(USE_PDL)
@@ -98,12 +95,10 @@ def _fp8_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if SPLIT > 1:
+    if SPLIT:
         part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tile = pid_n * tl.num_programs(0) + pid_m
-        last, acc = split_sum(
-            acc, part, row_ok[:, None] & col_ok[None, :], M * N, count_ptr + tile, SPLIT, UNROLL
-        )
+        last, acc = split_sum(acc, part, row_ok[:, None] & col_ok[None, :], M * N, count_ptr + tile)
         if last:
             _epilogue(
                 acc, rows, cols, row_ok, col_ok, xs_ptr, ws_ptr, b_ptr, y_ptr, stride_y, HAS_BIAS, SCALED
@@ -113,25 +108,21 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def split_sum(acc, part, ok, piece_stride, counter, PIECES: tl.constexpr, UNROLL: tl.constexpr):
-    """One of PIECES pieces of a split-K tile (the grid's third axis): its float32 partial `acc` stored at
-    `part` (this piece's at `part + piece * piece_stride`), the program counted in on the tile's `counter`; the
-    last to arrive gets (True, the sum of every piece in piece order: deterministic) and sets the counter back to
-    zero for the next launch, the others (False, zeros). UNROLL: the pieces' loads unrolled, all in flight at
-    once (a loop waits an L2 round trip a piece)."""
+def split_sum(acc, part, ok, piece_stride, counter):
+    """One piece of a split-K tile (the grid's third axis): its float32 partial `acc` stored at `part` (this
+    piece's at `part + piece * piece_stride`), the program counted in on the tile's `counter`; the last to arrive
+    gets (True, the sum of every piece in piece order: deterministic) and sets the counter back to zero for the
+    next launch, the others (False, zeros)."""
+    pieces = tl.num_programs(2)
     tl.store(part + tl.program_id(2) * piece_stride, acc, mask=ok)
     # Every thread's partial stored before one thread counts the program in (the counter's release publishes
     # them); the last program's acquire makes every piece visible to it.
     tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == PIECES - 1
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == pieces - 1
     total = tl.zeros(acc.shape, dtype=tl.float32)
     if last:
-        if UNROLL:
-            for p in tl.static_range(PIECES):
-                total += tl.load(part + p * piece_stride, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            for p in range(0, PIECES):
-                total += tl.load(part + p * piece_stride, mask=ok, other=0.0, cache_modifier=".cg")
+        for p in range(0, pieces):
+            total += tl.load(part + p * piece_stride, mask=ok, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     return last, total
 
@@ -220,12 +211,6 @@ def skinny_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int
     stages = 4 if triton.cdiv(n, 64) >= 2 * sms else 5
     k_split = split_k(n, k, sms, block_k, programs_per_sm=1)
     return max(16, triton.next_power_of_2(m)), 64, block_k, 4, stages, k_split
-
-
-def split_unroll() -> bool:
-    """Whether split-K sums unroll their pieces' loads (`TINYPAGED_SPLIT_UNROLL=0`: a loop, for side-by-side
-    measurements)."""
-    return os.environ.get("TINYPAGED_SPLIT_UNROLL", "1") != "0"
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
@@ -323,9 +308,8 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SWAP_AB=block_m < 64,
-        SPLIT=pieces,
+        SPLIT=pieces > 1,
         SCALED=scales is not None,
-        UNROLL=split_unroll(),
         num_warps=warps,
         num_stages=stages,
         **pdl_options(x),

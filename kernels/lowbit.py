@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .attention_configs import num_sms
 from .fp8 import INTERPRET
-from .fp8_gemm import MAX_TILES, split_sum, split_unroll, tile_counters
+from .fp8_gemm import MAX_TILES, split_sum, tile_counters
 from .pdl import pdl_options, pdl_start
 
 
@@ -282,7 +282,6 @@ def _wint_kernel(
     HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
-    UNROLL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -362,10 +361,10 @@ def _wint_kernel(
     else:
         y = acc
     ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT > 1:  # the tile's last program to arrive sums the partials in split order
+    if SPLIT:  # the tile's last program to arrive sums the partials in split order
         part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        last, y = split_sum(y, part, ok, M * N, count_ptr + tile, SPLIT, UNROLL)
+        last, y = split_sum(y, part, ok, M * N, count_ptr + tile)
         if last:
             _store_tile(y, b_ptr, y_ptr, rows, cols, col_ok, ok, stride_y, HAS_BIAS)
     else:
@@ -550,8 +549,8 @@ def _launch(
     _wint_kernel[grid](
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s, y, part, counters,
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
-        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        UNROLL=split_unroll(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
+        GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
         IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps, num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y

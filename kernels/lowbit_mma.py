@@ -1,26 +1,30 @@
-"""INT4 weight-only matmuls of 1-16 rows on the tensor cores, with the weights loaded straight into the MMA's
-registers (Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T, x in bf16 or fp16.
+"""INT4 weight-only matmuls of 1-8 rows on the tensor cores, the weights loaded straight into the MMA's registers
+(Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x in bf16 or fp16,
+INT4 codes in groups of 128.
 
-Why: the Triton kernel (`kernels/lowbit.py` `_wint_kernel`) loads the codes in a blocked layout and Triton moves
+Why: the Triton kernel (`kernels/lowbit.py` `_wint_kernel`) loads the codes in a blocked layout, and Triton moves
 the dequantized tile through shared memory into the MMA's operand layout every K step (stores, barriers, loads).
-At one row that round trip and the step's chain of waits behind it held the layers at 1.6-2.0 TB/s of INT4
-bytes (benchmarks/NOTES.md, runs 84-108). Here each thread loads, with plain vector loads, exactly the packed
-words whose codes are its own operand registers, so nothing goes through shared memory in the K loop.
+At one row it read 1.6-2.0 TB/s of INT4 bytes (benchmarks/NOTES.md, runs 84-108). Here each thread loads, with
+plain vector loads, exactly the packed words whose codes are its own operand registers: the K loop touches no
+shared memory.
 
 The layout is kernels/lowbit.py's (compressed-tensors' pack-quantized words, float32 scales `[K / group, N]`,
-uint8 zero points or none); nothing is repacked. The tile is computed transposed, as the Triton kernel's
-(`SWAP_AB`): the weight rows on the `mma.sync.m16n8k16` instruction's 16-row side (operand A), the token rows,
-8 or 16, on its 8-column side (operand B). A K step is one group of 128 columns = 16 words a row, and the
-step's dot splits into eight dots of K = 16 by code position: dot j takes code j of every word (column
-`8 * word + j`) against the activations at those columns. In the A operand's layout (two consecutive K
-elements a register) a thread holds words (row, 2t) and (row, 2t + 1) and the same eight columns on: the two
-words' code j is one bf16x2 register of dot j's operand, made by the `prmt` / `lop3` / `fma` chain of
-`_int4_halves` (Marlin's trick): code - zero, exact. The group's scale multiplies the step's float32 sum.
+uint8 zero points or none): nothing is repacked. The tile is computed transposed, as the Triton kernel's
+(`SWAP_AB`): the weight rows on the 16-row side of `mma.sync` m16n8k16 (operand A), the token rows on its
+8-column side (operand B, up to 16 rows in two tiles). A K step is one group, 16 words a row, and its dot
+splits into eight dots of K = 16 by code position: dot j takes code j of every word (column `8 * word + j`)
+against the activations at those columns. In the A operand's layout (two consecutive K elements a register) a
+thread holds words (row, 2t), (row, 2t + 1), (row, 2t + 8), (row, 2t + 9) of its rows: code j of a pair of words
+is one bf16x2 (fp16x2) register of dot j's operand, made by kernels/lowbit.py's inline PTX (`prmt`, `lop3`, a
+packed `fma`: code - zero, exact). The activations of a step arrive as a `[16 words, M, 8 codes]` tile (a thread's
+32 columns of a row in two 32-byte runs) and are split in registers into the eight B operands; each split is
+proved to be the operand's layout at compile time (`convert_layout(..., assert_trivial=True)`). Float32 sums;
+the group's scale multiplies each step's sum: the numbers of the Triton kernel, up to the order of float32 sums.
 
-Latency: the words of the next PREFETCH steps are in flight while a step computes (registers, not shared
-memory), and the first steps' words are asked for before the kernel waits on the one before it
-(programmatic dependent launch): the weights never depend on it. K splits across programs as in
-kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in split order.
+Latency: the next step's words are in flight while a step computes, and the first step's are asked for before
+the kernel waits on the one before it (programmatic dependent launch): the weights never depend on it. K splits
+across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in piece
+order, every piece's load in flight at once.
 """
 
 from __future__ import annotations
@@ -34,70 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8 import INTERPRET
-from .fp8_gemm import MAX_TILES, split_unroll, tile_counters
+from .fp8_gemm import MAX_TILES, tile_counters
+from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM
 from .pdl import pdl_options
-
-_INT4_ASM = """
-{
-.reg .b32 t0, t1, s, one;
-mov.b32 one, ONE;
-prmt.b32 t0, $8, $9, 0x5410;
-prmt.b32 t1, $8, $9, 0x7632;
-lop3.b32 s, t0, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $0, s, one, $10;
-shr.u32 s, t0, 4;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $1, s, one, $10;
-shr.u32 s, t0, 8;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $2, s, one, $10;
-shr.u32 s, t0, 12;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $3, s, one, $10;
-lop3.b32 s, t1, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $4, s, one, $10;
-shr.u32 s, t1, 4;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $5, s, one, $10;
-shr.u32 s, t1, 8;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $6, s, one, $10;
-shr.u32 s, t1, 12;
-lop3.b32 s, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $7, s, one, $10;
-}
-"""
-# The same codes as halves of MAGIC + code, no zero point taken away (FOLD: the kernel takes (MAGIC + zero) times
-# the step's column sums away from the step's float32 sums instead).
-_RAW_ASM = """
-{
-.reg .b32 t0, t1, s;
-prmt.b32 t0, $8, $9, 0x5410;
-prmt.b32 t1, $8, $9, 0x7632;
-lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t0, 4;
-lop3.b32 $1, s, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t0, 8;
-lop3.b32 $2, s, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t0, 12;
-lop3.b32 $3, s, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $4, t1, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t1, 4;
-lop3.b32 $5, s, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t1, 8;
-lop3.b32 $6, s, 0x000F000F, MAGIC, 0xEA;
-shr.u32 s, t1, 12;
-lop3.b32 $7, s, 0x000F000F, MAGIC, 0xEA;
-}
-"""
-BF16_RAW_ASM = gl.constexpr(_RAW_ASM.replace("MAGIC", "0x43004300"))
-FP16_RAW_ASM = gl.constexpr(_RAW_ASM.replace("MAGIC", "0x64006400"))
-BF16_ASM = gl.constexpr(
-    _INT4_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2")
-)
-FP16_ASM = gl.constexpr(
-    _INT4_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace("TY", "f16x2")
-)
 
 
 @gluon.jit
@@ -167,28 +110,17 @@ def _columns(x, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(acc, words, s, z, xs, ones, ASM: gl.constexpr, MAGIC: gl.constexpr, FOLD: gl.constexpr):
-    """acc + one step's dots (eight, by code position) times the group's scales."""
+def _step(acc, words, s, z, xs, ASM: gl.constexpr, MAGIC: gl.constexpr):
+    """acc + one group's eight dots (by code position) times the group's scales."""
     DT: gl.constexpr = xs[0].dtype
+    words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
+    ws = gl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
+    )
     step = gl.zeros_like(acc)
-    if FOLD:  # dots of MAGIC + code; the ones' dots are the step's column sums
-        ws = gl.inline_asm_elementwise(
-            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words], (xs[0].dtype,) * 8, is_pure=True, pack=2
-        )
-        sums = gl.zeros_like(acc)
-        for j in gl.static_range(8):
-            step = mma_v2(ws[j], xs[j], step)
-            sums = mma_v2(ones, xs[j], sums)
-        out = acc + step * s[:, None] - sums * (s * (z + MAGIC))[:, None]
-    else:
-        words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
-        ws = gl.inline_asm_elementwise(
-            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
-        )
-        for j in gl.static_range(8):
-            step = mma_v2(ws[j], xs[j], step)
-        out = acc + step * s[:, None]
-    return out
+    for j in gl.static_range(8):
+        step = mma_v2(ws[j], xs[j], step)
+    return acc + step * s[:, None]
 
 
 @gluon.jit
@@ -196,8 +128,7 @@ def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, GS: gl.constexpr, FOLD: gl.constexpr, XPRE: gl.constexpr, UNROLL: gl.constexpr,
-    USE_PDL: gl.constexpr,
+    WARPS: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -205,11 +136,11 @@ def _int4_mma_kernel(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    if DT == gl.bfloat16:
-        ASM: gl.constexpr = BF16_RAW_ASM if FOLD else BF16_ASM
+    if DT == gl.bfloat16:  # the codes' magic half: bf16 128, fp16 1024 (one unit a step there)
+        ASM: gl.constexpr = INT4_BF16_ASM
         MAGIC: gl.constexpr = 128.0
     else:
-        ASM: gl.constexpr = FP16_RAW_ASM if FOLD else FP16_ASM
+        ASM: gl.constexpr = INT4_FP16_ASM
         MAGIC: gl.constexpr = 1024.0
     GROUP: gl.constexpr = 128
 
@@ -242,48 +173,20 @@ def _int4_mma_kernel(
     x_rows = x_ptr + xm.to(gl.int64) * stride_x
 
     # The weights do not depend on the kernel before: the first step's words and parameters are asked for
-    # before waiting on it. A step is GS groups (GS x 64 bytes of each weight row); the next step's are asked for
-    # while a step computes.
-    zr = srows if FOLD else rows
-    wa = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
-    sa, za = _params(s_ptr, z_ptr, k_lo // GROUP, srows, zr, N, HAS_ZERO)
-    if GS == 2:
-        wb = _words(w_ptr, rows, row_ok, k_lo + GROUP, stride_w, wcols)
-        sb, zb = _params(s_ptr, z_ptr, k_lo // GROUP + 1, srows, zr, N, HAS_ZERO)
+    # before waiting on it; then each step asks for the next one's while it computes.
+    w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
+    s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
     _pdl_wait(USE_PDL)
     _pdl_launch(USE_PDL)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    ones = gl.full([BLOCK_N, 16], 1.0, DT, a_layout)
-    if XPRE:  # the activations too are asked for a step ahead
-        xa = _x_tile(x_rows, m_ok, k_lo, xw, xj)
-        if GS == 2:
-            xb = _x_tile(x_rows, m_ok, k_lo + GROUP, xw, xj)
-    for i in range(steps // GS):
-        k0 = k_lo + i * GS * GROUP
-        kn = k_lo + gl.minimum(i + 1, steps // GS - 1) * GS * GROUP  # the last step asks for its own again
-        wan = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
-        san, zan = _params(s_ptr, z_ptr, kn // GROUP, srows, zr, N, HAS_ZERO)
-        if GS == 2:
-            wbn = _words(w_ptr, rows, row_ok, kn + GROUP, stride_w, wcols)
-            sbn, zbn = _params(s_ptr, z_ptr, kn // GROUP + 1, srows, zr, N, HAS_ZERO)
-        if XPRE:
-            xan = _x_tile(x_rows, m_ok, kn, xw, xj)
-            if GS == 2:
-                xbn = _x_tile(x_rows, m_ok, kn + GROUP, xw, xj)
-        else:
-            xa = _x_tile(x_rows, m_ok, k0, xw, xj)
-            if GS == 2:
-                xb = _x_tile(x_rows, m_ok, k0 + GROUP, xw, xj)
-        acc = _step(acc, wa, sa, za, _columns(xa, b_layout), ones, ASM, MAGIC, FOLD)
-        wa, sa, za = wan, san, zan
-        if GS == 2:
-            acc = _step(acc, wb, sb, zb, _columns(xb, b_layout), ones, ASM, MAGIC, FOLD)
-            wb, sb, zb = wbn, sbn, zbn
-        if XPRE:
-            xa = xan
-            if GS == 2:
-                xb = xbn
+    for i in range(steps):
+        k0 = k_lo + i * GROUP
+        kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP  # the last step asks for its own again
+        w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
+        s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
+        acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
+        w, s, z = w_next, s_next, z_next
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
@@ -294,12 +197,8 @@ def _int4_mma_kernel(
         last = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
         if last:
             total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            if UNROLL:  # every piece's load in flight at once, summed in piece order
-                for p in gl.static_range(SPLIT):
-                    total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            else:
-                for p in range(0, SPLIT):
-                    total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            for p in gl.static_range(SPLIT):  # every piece's load in flight at once, summed in piece order
+                total += gl.load(part + p * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _store(total, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS)
     else:
@@ -330,18 +229,19 @@ def usable(x: torch.Tensor, bits: int, group: int) -> bool:
     )
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int, bool, bool]:
-    """(BLOCK_N, WARPS, SPLIT, GS, FOLD, XPRE): four warps of two 16-row tiles (128 weight rows a program), one
-    step's words prefetched, K split until the programs are about three a multiprocessor (each piece at least
-    two steps). From run 109's graph-timed sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best
-    tiling at each of the 8B shapes: qkv split 8 (8.2 us), o 16 (6.8), gate_up 2 (27.2), down 16 (13.8)."""
+def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, WARPS, SPLIT): four warps of two 16-row tiles (128 weight rows a program), K split until the
+    programs are about three a multiprocessor (each piece at least two steps). From run 110's graph-timed sweep at
+    one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv
+    split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded
+    into the column sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
     warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
     steps = k // 128
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, 1, False, False
+    return block_n, warps, split
 
 
 def int4_mma(
@@ -350,16 +250,17 @@ def int4_mma(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, bool, bool] | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
-    layout). `config`: (BLOCK_N, WARPS, SPLIT, GS, FOLD, XPRE), default `mma_config`."""
+    layout; `model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT), default
+    `mma_config`. Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = qweight.shape[0]
     assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
-    block_n, warps, split, gs, fold, xpre = config or mma_config(m, n, k)
-    assert block_n % (16 * warps) == 0 and (k // 128) % (split * gs) == 0
+    block_n, warps, split = config or mma_config(m, n, k)
+    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -371,8 +272,7 @@ def int4_mma(
     _int4_mma_kernel[(tiles, split)](
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
         y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, UNROLL=split_unroll(),
-        BLOCK_M=8 if m <= 8 else 16, BLOCK_N=block_n, WARPS=warps, GS=gs, FOLD=fold, XPRE=xpre,
-        num_warps=warps, **pdl_options(x),
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
+        BLOCK_N=block_n, WARPS=warps, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

@@ -255,8 +255,7 @@ def test_fp8_matmul_runs_on_fp8_tensor_cores(rows: int, split: bool) -> None:
 
     block_m, block_n, block_k, warps, stages, _ = default_config(rows, 4096 if split else 28672, 4096)
     constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": 4 if split else 1, "SCALED": True, "UNROLL": True}
-    constexprs["USE_PDL"] = True
+    constexprs |= {"SWAP_AB": block_m < 64, "SPLIT": split, "SCALED": True, "USE_PDL": True}
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16"}
     types |= {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
@@ -285,7 +284,7 @@ def test_skinny_matmul_runs_on_bf16_wgmma(rows: int) -> None:
     block_m, block_n, block_k, warps, stages, k_split = skinny_config(rows, 4096, 4096)
     assert block_m == 16 and k_split
     constexprs = {"HAS_BIAS": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    constexprs |= {"SWAP_AB": True, "SPLIT": 2, "SCALED": False, "UNROLL": True, "USE_PDL": True}
+    constexprs |= {"SWAP_AB": True, "SPLIT": True, "SCALED": False, "USE_PDL": True}
     types = {"xs_ptr": "*bf16", "ws_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
         a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
@@ -324,8 +323,7 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "BITS": bits,
         "HAS_ZERO": bits == 4,
         "HAS_BIAS": False,
-        "SPLIT": 1,
-        "UNROLL": True,
+        "SPLIT": False,
         "BLOCK_K": 128,
         "ASM": bits == 4,
         "USE_PDL": True,
@@ -341,7 +339,7 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     assert "atom.global" not in ptx
     split = _lowbit_compile(
         "_wint_kernel",
-        base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "SPLIT": 4},
+        base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
     )
     assert "atom.global.gpu.acq_rel.add" in split.asm["ptx"]
     wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
@@ -357,7 +355,7 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     # two warps (the default up to 16 rows): the tensor cores through mma.sync (no wgmma)
     gemm = _lowbit_compile(
         "_wint_kernel",
-        base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False, "SPLIT": 4},
+        base | {"BLOCK_M": 16, "BLOCK_N": 128, "DOT": True, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
         2,
     )
     assert "mma.sync" in gemm.asm["ptx"] and "wgmma" not in gemm.asm["ptx"]
@@ -432,7 +430,7 @@ def test_int4_mma_kernel_compiles_for_hopper(
 
     block_n, warps = mma_config(1, 4096, 4096)[:2]
     constexprs = {"HAS_ZERO": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    constexprs |= {"WARPS": warps, "GS": gs, "FOLD": fold, "XPRE": xpre, "UNROLL": True, "USE_PDL": True}
+    constexprs |= {"WARPS": warps, "USE_PDL": True}
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
         kernel = _int4_mma_compile(constexprs, dtype)
         ptx = kernel.asm["ptx"]
@@ -440,6 +438,6 @@ def test_int4_mma_kernel_compiles_for_hopper(
         wait = ptx.index("griddepcontrol.wait")
         assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
         assert ptx.find("ld.global.v4", wait) > wait  # the activations after it
-        assert (f"fma.rn{pair}x2" in ptx) != fold and "lop3.b32" in ptx and "prmt.b32" in ptx
+        assert f"fma.rn{pair}x2" in ptx and "lop3.b32" in ptx and "prmt.b32" in ptx
         # Shared memory only where a split's last program learns it is the last (the counter's value broadcast).
         assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
