@@ -89,7 +89,7 @@ def copies_for(n: int, past: float = 256e6) -> int:
     return max(2, math.ceil(past / n))
 
 
-def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
+def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -> None:
     rows_out, sweep_out = res.setdefault("layers", []), res.setdefault("sweep", [])
     for name, n, k in SHAPES:
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
@@ -130,6 +130,7 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool) -> None:
             print(f"  best {name} M={m}: {best['config']} {best['us']:.1f} us", flush=True)
         del ws, bs
         torch.cuda.empty_cache()
+        write_json(path, res)  # a layer at a time: a cut run keeps what it measured
 
 
 def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int], tuple]:
@@ -237,7 +238,7 @@ def main() -> None:
         checks(res, gen, args.quick_checks)
         write_json(args.json, res)
     if not args.skip_layers:
-        timings(res, gen, not args.no_sweep)
+        timings(res, gen, not args.no_sweep, args.json)
         write_json(args.json, res)
     if args.decode:
         decode(res, args.decode)
