@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8 import INTERPRET
 from .fp8_gemm import MAX_TILES, tile_counters
-from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM
+from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM, IntWeight
 from .pdl import pdl_options
 
 
@@ -214,13 +214,14 @@ def _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS: gl.con
     gl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def usable(x: torch.Tensor, bits: int, group: int) -> bool:
-    """Whether `int4_mma` takes this layer: INT4 in groups of 128, bf16 or fp16 activations on an NVIDIA GPU of
-    compute capability 8.0 or later (mma.sync), not under Triton's interpreter (which cannot run Gluon);
-    `TINYPAGED_INT4_MMA=0` turns it off."""
+def usable(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether `int4_mma` takes this layer: INT4 in groups of 128 with contiguous codes, scales and zero points,
+    bf16 or fp16 activations on an NVIDIA GPU of compute capability 8.0 or later (mma.sync), not under Triton's
+    interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` turns it off (the Triton kernel then runs)."""
     return (
-        bits == 4
-        and group == 128
+        w.bits == 4
+        and w.group == 128
+        and all(t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros))
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.is_cuda
         and not INTERPRET
