@@ -214,15 +214,23 @@ def _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS: gl.con
     gl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def usable(x: torch.Tensor, w: IntWeight) -> bool:
-    """Whether `int4_mma` takes this layer: INT4 in groups of 128 with contiguous codes, scales and zero points,
-    bf16 or fp16 activations on an NVIDIA GPU of compute capability 8.0 or later (mma.sync), not under Triton's
-    interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` turns it off (the Triton kernel then runs)."""
+def takes(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether the layer and the activations are the kernel's: INT4 in groups of 128 with contiguous codes, scales
+    and zero points, bf16 or fp16 activations (`usable` adds the device)."""
     return (
         w.bits == 4
         and w.group == 128
         and all(t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros))
         and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def usable(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether `int4_mma` takes this layer (`takes`) on x's device: an NVIDIA GPU of compute capability 8.0 or
+    later (mma.sync), not under Triton's interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` turns it
+    off (the Triton kernel then runs)."""
+    return (
+        takes(x, w)
         and x.is_cuda
         and not INTERPRET
         and os.environ.get("TINYPAGED_INT4_MMA", "1") != "0"

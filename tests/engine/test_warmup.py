@@ -1,7 +1,8 @@
 """The warm-up's tables (engine/step/warmup.py) against the dispatch itself, on the CPU. With the ops sent to the
 Triton kernels and each launch recorded instead of run (its specialisation, as Triton compiles a kernel for:
 constexprs, tensor dtypes and 16-byte alignment, integers equal to 1 or divisible by 16, launch options), the
-warm-up must launch every kernel of tinypaged.kernels (dense weights, FP8 weights, FP8 KV cache), and every
+warm-up must launch every kernel of tinypaged.kernels (dense weights, FP8 weights, FP8 KV cache, INT4 / INT8, and
+INT4 in groups of 128 in bf16 routed as on a GPU: the Gluon kernel, which the CPU cannot run), and every
 specialisation that a sweep of step shapes and of requests with random sampling parameters launches; every
 field of SamplingParams that reaches the device has a variant. A new kernel, tile class or sampling path
 without a warm-up entry fails here. The engine's own warm-up does nothing on the CPU (nothing compiles)."""
@@ -27,8 +28,9 @@ from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.step import warmup
 from tinypaged.engine.step.llm_engine import LLMEngine
-from tinypaged.kernels import attention
+from tinypaged.kernels import attention, lowbit_mma
 from tinypaged.kernels.attention_configs import splits_for_programs
+from tinypaged.model.quant.linear import IntLinearMethod
 from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from tinypaged.weights.random_model import make_random_model
 
@@ -41,7 +43,10 @@ CONFIGS = {
     "fp8_kv": {"kv_cache_dtype": "fp8"},
     "int4": {"quantization": "int4"},
     "int8": {"quantization": "int8"},
+    # INT4 in groups of 128 (a model whose layers take 128 or 256 columns) in bf16: the Gluon kernel's layers.
+    "int4_g128": {"quantization": "int4", "dtype": "bfloat16"},
 }
+WIDE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
 def _key(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
@@ -77,6 +82,7 @@ def record(f: Callable[[], object]) -> set[Key]:
         m.setattr(JITFunction, "run", run)
         m.setattr(ops, "_INTERPRET", True)
         m.setattr(attention, "choose_num_splits", _gpu_splits)
+        m.setattr(lowbit_mma, "usable", lowbit_mma.takes)  # as on a GPU: the Gluon kernel where it runs there
         f()
     return keys
 
@@ -90,6 +96,11 @@ def _gpu_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seq_len: 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model("smollm2-135m", tmp_path_factory.mktemp("warm") / "m", overrides=SHAPE)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model("smollm2-135m", tmp_path_factory.mktemp("warm") / "w", overrides=SHAPE | WIDE)
 
 
 def _engine(path: Path, **kw: Any) -> LLMEngine:
@@ -180,11 +191,16 @@ def _sweep(engine: LLMEngine, seed: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def warmed(tiny: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
+def warmed(tiny: Path, wide: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
     """An engine of each configuration, and what its warm-up launches."""
     out = {}
     for name, kw in CONFIGS.items():
-        engine = _engine(tiny, **kw)
+        if name == "int4_g128":  # the layers in the GPU's layout, not repacked for torch's CPU kernels
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(IntLinearMethod, "pack_for_cpu", lambda self, layer: None)
+                engine = _engine(wide, **kw)
+        else:
+            engine = _engine(tiny, **kw)
         assert dict(engine.startup)["warmup"] == 0.0  # the CPU: nothing to compile, nothing done
         out[name] = engine, record(lambda e=engine: warmup.warm_up(e, force=True))
     yield out
