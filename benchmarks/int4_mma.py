@@ -43,12 +43,6 @@ def nbytes(w: lowbit.IntWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
 
 
-def mma(
-    x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None = None, config: Any = None
-) -> torch.Tensor:
-    return lowbit_mma.int4_mma(x, w.qweight, w.scales, w.zeros, bias, config)
-
-
 def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
     out = res.setdefault("checks", [])
     rows = (1, 5, 16) if quick else (1, 2, 5, 8, 9, 16)
@@ -62,8 +56,8 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
         for dt, m in itertools.product((torch.bfloat16, torch.float16), rows):
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
-            got = mma(x, w, bias)
-            again = mma(x, w, bias)
+            got = lowbit_mma.int4_mma(x, w, bias)
+            again = lowbit_mma.int4_mma(x, w, bias)
             row = {
                 "name": f"{name} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m}",
                 "err": rel_err(got, want),
@@ -71,7 +65,7 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
                 "same_twice": bool(torch.equal(got, again)),
             }
             if m == 16:
-                alone = torch.cat([mma(x[i : i + 1], w, bias) for i in range(m)])
+                alone = torch.cat([lowbit_mma.int4_mma(x[i : i + 1], w, bias) for i in range(m)])
                 row["row_alone_equal"] = bool(torch.equal(alone, got))
             row["ok"] = row["err"] < 5e-3 and row["same_twice"] and row.get("row_alone_equal", True)
             out.append(row)
@@ -102,7 +96,7 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
             row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m}
             row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
             row["triton_us"] = graph_us(lambda i, x=x, ws=ws: kernels.wint_gemm(x, ws[i]), len(ws))
-            row["mma_us"] = graph_us(lambda i, x=x, ws=ws: mma(x, ws[i]), len(ws))
+            row["mma_us"] = graph_us(lambda i, x=x, ws=ws: lowbit_mma.int4_mma(x, ws[i]), len(ws))
             row["mma_config"] = lowbit_mma.mma_config(m, n, k)
             row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
@@ -118,7 +112,9 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
                         continue
                     cfg = (16 * warps * reps, warps, split)
                     try:
-                        us = graph_us(lambda i, x=x, c=cfg, ws=ws: mma(x, ws[i], config=c), len(ws))
+                        us = graph_us(
+                            lambda i, x=x, c=cfg, ws=ws: lowbit_mma.int4_mma(x, ws[i], config=c), len(ws)
+                        )
                     except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
                         print(name, m, cfg, type(e).__name__, str(e)[:200], flush=True)
                         us = float("nan")
@@ -163,6 +159,7 @@ def decode(res: dict[str, Any], model: str) -> None:
         variants.append(("int4-mma-swept", {"quantization": "int4"}, "1", table))
     for name, kw, env, tab in variants:
         os.environ["TINYPAGED_INT4_MMA"] = env or "1"
+        lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
         if tab:
             lowbit_mma.mma_config = lambda m, n, k, sms=132, t=tab: (
                 t.get((n, k, 1 if m == 1 else 8)) or default(m, n, k, sms)

@@ -29,6 +29,7 @@ order, every piece's load in flight at once.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,23 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from .fp8 import INTERPRET
 from .fp8_gemm import MAX_TILES, tile_counters
 from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM, IntWeight
-from .pdl import pdl_options
-
-
-@gluon.jit
-def _pdl_wait(USE_PDL: gl.constexpr):
-    if USE_PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _pdl_launch(USE_PDL: gl.constexpr):
-    if USE_PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
+from .pdl import pdl_options, pdl_start
 
 
 @gluon.jit
@@ -176,8 +161,7 @@ def _int4_mma_kernel(
     # before waiting on it; then each step asks for the next one's while it computes.
     w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
     s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
-    _pdl_wait(USE_PDL)
-    _pdl_launch(USE_PDL)
+    pdl_start(USE_PDL)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for i in range(steps):
@@ -190,7 +174,7 @@ def _int4_mma_kernel(
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
-    if SPLIT > 1:
+    if SPLIT > 1:  # kernels/fp8_gemm.py's `split_sum` in Gluon (its `tl.zeros` has no layout to give here)
         part = part_ptr + out_rows.to(gl.int64)[None, :] * N + srows[:, None]
         gl.store(part + split * M * N, acc, mask=ok)
         gl.thread_barrier()
@@ -227,15 +211,17 @@ def takes(x: torch.Tensor, w: IntWeight) -> bool:
 
 def usable(x: torch.Tensor, w: IntWeight) -> bool:
     """Whether `int4_mma` takes this layer (`takes`) on x's device: an NVIDIA GPU of compute capability 8.0 or
-    later (mma.sync), not under Triton's interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` turns it
-    off (the Triton kernel then runs)."""
-    return (
-        takes(x, w)
-        and x.is_cuda
-        and not INTERPRET
-        and os.environ.get("TINYPAGED_INT4_MMA", "1") != "0"
-        and torch.cuda.get_device_capability(x.device)[0] >= 8
-    )
+    later (mma.sync), not under Triton's interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` (read once a
+    process) turns it off: the Triton kernel then runs."""
+    return takes(x, w) and x.is_cuda and _runs_on(x.device.index if x.device.index is not None else -1)
+
+
+@functools.cache
+def _runs_on(device_index: int) -> bool:
+    """The device half of `usable`, once a process and device (it is asked at every INT4 layer of a step)."""
+    if INTERPRET or os.environ.get("TINYPAGED_INT4_MMA", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] >= 8
 
 
 def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int]:
@@ -255,19 +241,16 @@ def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int]:
 
 def int4_mma(
     x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
+    w: IntWeight,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x, INT4 codes in groups of 128 (kernels/lowbit.py's
-    layout; `model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT), default
-    `mma_config`. Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
+    """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT), default `mma_config`.
+    Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
-    n = qweight.shape[0]
-    assert 1 <= m <= 16 and k % 128 == 0 and qweight.shape[1] * 8 == k and scales.shape == (k // 128, n)
-    assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous()
+    n = w.qweight.shape[0]
+    assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * 8 == k
     block_n, warps, split = config or mma_config(m, n, k)
     assert block_n % (16 * warps) == 0 and (k // 128) % split == 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -278,10 +261,11 @@ def int4_mma(
         counters = tile_counters(x.device)
     else:
         part = counters = y
+    s, z = w.scales, w.zeros
     _int4_mma_kernel[(tiles, split)](
-        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales,
-        y, part, counters, m, n, k, k // split, x.stride(0), qweight.stride(0), y.stride(0),
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
+        x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
+        y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0),
+        HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
         BLOCK_N=block_n, WARPS=warps, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

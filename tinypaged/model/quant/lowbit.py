@@ -170,7 +170,7 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
     from tinypaged.kernels import lowbit_mma
 
     if m <= MMA_ROWS and lowbit_mma.usable(x2, w):
-        y = lowbit_mma.int4_mma(x2, w.qweight, w.scales, w.zeros, bias)
+        y = lowbit_mma.int4_mma(x2, w, bias)
     elif m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
         y = kernels.wint_gemv(x2, w, bias)
     elif m <= GEMM_ROWS:
