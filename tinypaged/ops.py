@@ -127,9 +127,13 @@ def ref_rotary_embedding(
 
 def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q `[T, Hq, D]` and k `[T, Hkv, D]` as one view `[T, Hq + Hkv, D]` where k's heads follow q's in memory
-    (as slices of the fused qkv projection's rows), else None."""
+    (as slices of the fused qkv projection's rows), else None. A single token's row stride means nothing, and
+    views of its slices carry different ones (q's `Hq * D`, k's `Hkv * D`): a decode step of one sequence is
+    joined too."""
     t, hq, d = q.shape
-    if k.dtype != q.dtype or k.shape[0] != t or k.shape[2] != d or q.stride() != k.stride():
+    if k.dtype != q.dtype or k.shape[0] != t or k.shape[2] != d or q.stride()[1:] != k.stride()[1:]:
+        return None
+    if t > 1 and q.stride(0) != k.stride(0):
         return None
     if q.stride(2) != 1 or q.stride(1) != d or k.data_ptr() != q.data_ptr() + hq * d * q.element_size():
         return None

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged import ops
+from tinypaged.model.llama import rope_cos_sin_cache
 
 
 def _contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -94,3 +95,22 @@ def test_cpu_linear_in_slices_matches_whole() -> None:
     assert ops._sliced_on_cpu(torch.randn(5, 64), w, None)
     assert not ops._sliced_on_cpu(torch.randn(5, 64), w.t().contiguous().t(), None)  # a strided view: whole
     assert not ops._sliced_on_cpu(torch.randn(5, 64), w[:1024], None)  # small: whole
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_rotary_joins_q_and_k_of_the_fused_projection(tokens: int) -> None:
+    """q and k as slices of one qkv row are rotated as one view, a single token's too (the CPU's decode step:
+    views of the slices carry different row strides there), with the values of rotating each alone."""
+    hq, hkv, d = 4, 2, 8
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)
+    joined = ops._heads_together(q, k)
+    assert joined is not None and joined.shape == (tokens, hq + hkv, d)
+    assert torch.equal(joined, torch.cat([q, k], 1))
+    cache = rope_cos_sin_cache(d, 10000.0, None, 16, torch.device("cpu"))
+    positions = torch.arange(5, 5 + tokens)
+    rq, rk = ops.ref_rotary_embedding(positions, q, k, cache)
+    assert rq.data_ptr() == rk.data_ptr() - hq * d * 4  # one rotation, split again
+    aq, ak = ops.ref_rotary_embedding(positions, q.clone(), k.clone(), cache)  # apart: rotated one by one
+    assert torch.equal(rq, aq) and torch.equal(rk, ak)
