@@ -5,12 +5,14 @@ cores' registers (`kernels/lowbit_mma.py`), against the Triton tensor-core kerne
     python3 benchmarks/int4_mma.py --json benchmarks/results/int4-mma-h200.json [--no-sweep]
 
 First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, bf16 and fp16 rows (1, 2, 5, 8, 9, 16),
-with and without zero points, one with a bias: the relative error against the float32 product of the same
-codes (`ref`: x in float32 @ the dequantized weight), beside `wint_gemm`'s; the same bits twice; a row alone
-against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own
-copy of the weight (past the L2), at 1, 5 and 16 rows: bf16 `ops.linear`, `wint_gemm` and `int4_mma` at its
-default, with the weight bytes each reads per second; then a sweep of `int4_mma`'s tilings (warps, 16-row tiles
-a warp, K split) at 1 and 8 rows. The table is printed last.
+with and without zero points, one with a bias, the words straight into registers and through the shared ring
+(equal bits both ways): the relative error against the float32 product of the same codes (`ref`: x in float32 @
+the dequantized weight), beside `wint_gemm`'s; the same bits twice; a row alone against the same row within a
+batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own copy of the weight (past the L2),
+at 1, 2, 4, 8 and 16 rows: bf16 `ops.linear`, `wint_gemm` and `int4_mma` at its default and with a ring of `RING`
+steps, with the weight bytes each reads per second; then a sweep of `int4_mma`'s tilings (warps, 16-row tiles a
+warp, K split, the words' ring depth: 0 straight into registers, else cp.async through shared memory) at 1 and 8
+rows. The table is printed last.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from tinypaged.model.quant import lowbit
 DEV = "cuda"
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
+# Ring depths checked and swept: 0 (the words straight into registers) and the shared ring's.
+RING = 4
+STAGES = (0, RING)
+SWEPT_STAGES = (0, 3, 4, 6)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,21 +62,34 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
         for dt, m in itertools.product((torch.bfloat16, torch.float16), rows):
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
-            got = lowbit_mma.int4_mma(x, w, bias)
-            again = lowbit_mma.int4_mma(x, w, bias)
-            row = {
-                "name": f"{name} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m}",
-                "err": rel_err(got, want),
-                "triton_err": rel_err(kernels.wint_gemm(x, w, bias), want),
-                "same_twice": bool(torch.equal(got, again)),
-            }
-            if m == 16:
-                alone = torch.cat([lowbit_mma.int4_mma(x[i : i + 1], w, bias) for i in range(m)])
-                row["row_alone_equal"] = bool(torch.equal(alone, got))
-            row["ok"] = row["err"] < 5e-3 and row["same_twice"] and row.get("row_alone_equal", True)
-            out.append(row)
-            if not row["ok"]:
-                print("CHECK FAILED", row, flush=True)
+            triton_err = rel_err(kernels.wint_gemm(x, w, bias), want)
+            first = None
+            for stages in STAGES:  # the words straight into registers, and through the shared ring
+                cfg = lowbit_mma.mma_config(m, n, k)[:3] + (stages,)
+                got = lowbit_mma.int4_mma(x, w, bias, cfg)
+                again = lowbit_mma.int4_mma(x, w, bias, cfg)
+                row = {
+                    "name": f"{name} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} stages={stages}",
+                    "err": rel_err(got, want),
+                    "triton_err": triton_err,
+                    "same_twice": bool(torch.equal(got, again)),
+                }
+                if m == 16:
+                    alone = torch.cat([lowbit_mma.int4_mma(x[i : i + 1], w, bias, cfg) for i in range(m)])
+                    row["row_alone_equal"] = bool(torch.equal(alone, got))
+                if first is None:
+                    first = got
+                else:  # the same sums in the same order, whichever way the words came in
+                    row["equal_to_registers"] = bool(torch.equal(got, first))
+                ok = (
+                    row["same_twice"]
+                    and row.get("row_alone_equal", True)
+                    and row.get("equal_to_registers", True)
+                )
+                row["ok"] = row["err"] < 5e-3 and ok
+                out.append(row)
+                if not row["ok"]:
+                    print("CHECK FAILED", row, flush=True)
         del w32, w, ref_w
     bad = [c for c in out if not c["ok"]]
     print(
@@ -98,7 +117,12 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
             row["triton_us"] = graph_us(lambda i, x=x, ws=ws: kernels.wint_gemm(x, ws[i]), len(ws))
             row["mma_us"] = graph_us(lambda i, x=x, ws=ws: lowbit_mma.int4_mma(x, ws[i]), len(ws))
             row["mma_config"] = lowbit_mma.mma_config(m, n, k)
+            ring = row["mma_config"][:3] + (RING,)
+            row["ring_us"] = graph_us(
+                lambda i, x=x, c=ring, ws=ws: lowbit_mma.int4_mma(x, ws[i], config=c), len(ws)
+            )
             row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
+            row["ring_tbps"] = nbytes(w) / row["ring_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
@@ -106,11 +130,12 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
                 continue
             steps = k // 128
             rule = lowbit_mma.mma_config(m, n, k)[2]
-            for warps, reps in ((4, 1), (8, 1), (4, 2), (2, 2), (4, 4)):
+            tilings = itertools.product(((4, 1), (8, 1), (4, 2), (2, 2), (4, 4)), SWEPT_STAGES)
+            for (warps, reps), stages in tilings:
                 for split in (rule // 2, rule, rule * 2, rule * 4):
                     if split < 1 or steps % split or steps // split < 2:
                         continue
-                    cfg = (16 * warps * reps, warps, split)
+                    cfg = (16 * warps * reps, warps, split, stages)
                     try:
                         us = graph_us(
                             lambda i, x=x, c=cfg, ws=ws: lowbit_mma.int4_mma(x, ws[i], config=c), len(ws)
@@ -141,8 +166,9 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int], tuple]:
 
 def decode(res: dict[str, Any], model: str) -> None:
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements) of bf16, INT4 through the Triton kernel
-    (`TINYPAGED_INT4_MMA=0`), INT4 through `int4_mma` at its default tilings and, where the sweep ran, at the
-    sweep's fastest (M = 1's at one row, M = 8's at 2-8), one engine after the other in this process."""
+    (`TINYPAGED_INT4_MMA=0`), INT4 through `int4_mma` at its default tilings with the words straight into
+    registers and through a ring of `RING` steps in shared memory and, where the sweep ran, at the sweep's fastest
+    (M = 1's at one row, M = 8's at 2-8), one engine after the other in this process."""
     import os
 
     from common import free_llm, run_latency
@@ -153,13 +179,16 @@ def decode(res: dict[str, Any], model: str) -> None:
     out = res.setdefault("decode", {})
     table = best_configs(res)
     default = lowbit_mma.mma_config
-    variants = [("bf16", {}, None, None), ("int4-triton", {"quantization": "int4"}, "0", None),
-                ("int4-mma", {"quantization": "int4"}, "1", None)]  # fmt: skip
-    if table:
-        variants.append(("int4-mma-swept", {"quantization": "int4"}, "1", table))
-    for name, kw, env, tab in variants:
+    stages = lowbit_mma.MMA_STAGES
+    int4 = {"quantization": "int4"}
+    variants = [("bf16", {}, None, None, stages), ("int4-triton", int4, "0", None, stages),
+                ("int4-mma", int4, "1", None, 0), ("int4-mma-ring", int4, "1", None, RING)]  # fmt: skip
+    if table:  # each shape's fastest tiling, its ring depth included
+        variants.append(("int4-mma-swept", int4, "1", table, stages))
+    for name, kw, env, tab, ring in variants:
         os.environ["TINYPAGED_INT4_MMA"] = env or "1"
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
+        lowbit_mma.MMA_STAGES = ring  # mma_config's ring depth (0: the words straight into registers)
         if tab:
             lowbit_mma.mma_config = lambda m, n, k, sms=132, t=tab: (
                 t.get((n, k, 1 if m == 1 else 8)) or default(m, n, k, sms)
@@ -173,6 +202,7 @@ def decode(res: dict[str, Any], model: str) -> None:
             free_llm(llm)
         finally:
             lowbit_mma.mma_config = default
+            lowbit_mma.MMA_STAGES = stages
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
@@ -180,7 +210,8 @@ def decode(res: dict[str, Any], model: str) -> None:
 
 def table(res: dict[str, Any]) -> None:
     print(
-        f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'mma TB/s':>8} {'best us':>8}  best"
+        f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'ring us':>7} {'mma us':>7} {'mma TB/s':>8} "
+        f"{'best us':>8}  best"
     )
     for r in res.get("layers", []):
         cands = [
@@ -190,7 +221,8 @@ def table(res: dict[str, Any]) -> None:
         ]
         best = min(cands, key=lambda s: s["us"]) if cands else None
         print(
-            f"{r['layer']:8} {r['m']:>3} {r['bf16_us']:8.1f} {r['triton_us']:9.1f} {r['mma_us']:7.1f} "
+            f"{r['layer']:8} {r['m']:>3} {r['bf16_us']:8.1f} {r['triton_us']:9.1f} {r.get('ring_us', math.nan):7.1f} "
+            f"{r['mma_us']:7.1f} "
             f"{r['mma_tbps']:8.2f} {best['us'] if best else float('nan'):8.1f}  {best['config'] if best else ''}"
         )
     tot = {m: [sum(r[c] for r in res.get("layers", []) if r["m"] == m) for c in ("bf16_us", "triton_us", "mma_us")]

@@ -21,8 +21,16 @@ packed `fma`: code - zero, exact). The activations of a step arrive as a `[16 wo
 proved to be the operand's layout at compile time (`convert_layout(..., assert_trivial=True)`). Float32 sums;
 the group's scale multiplies each step's sum: the numbers of the Triton kernel, up to the order of float32 sums.
 
-Latency: the next step's words are in flight while a step computes, and the first step's are asked for before
-the kernel waits on the one before it (programmatic dependent launch): the weights never depend on it. K splits
+Latency: the weights never depend on the kernel before, so the first steps' words are asked for before the kernel
+waits on it (programmatic dependent launch). Then two ways (`STAGES`):
+- 0: each step loads the next one's words into registers while it computes. At one row the wide layers read
+  2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way (2 KB a
+  warp, the next step's words, held in registers until they land) against HBM's latency under load.
+- STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
+  steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
+  bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
+  TB/s. The sums are the same, in the same order: the same bits either way. Not yet run on a GPU: off
+  (`MMA_STAGES`) until `benchmarks/int4_mma.py` has checked and timed it. K splits
 across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in piece
 order, every piece's load in flight at once.
 """
@@ -36,12 +44,18 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .fp8 import INTERPRET
 from .fp8_gemm import MAX_TILES, tile_counters
 from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM, IntWeight
 from .pdl import pdl_options, pdl_start
+
+# Steps of packed words in the shared ring (cp.async), STAGES - 1 of them in flight; 0: the words straight into
+# registers, one step ahead (measured: runs 109-113). TINYPAGED_INT4_MMA_STAGES sets it, for side-by-side
+# measurements: the ring has not run on a GPU yet (benchmarks/NOTES.md, "INT4 in Gluon: the words through a
+# shared ring").
+MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
 
 
 @gluon.jit
@@ -49,6 +63,18 @@ def _words(w_ptr, rows, row_ok, k0, stride_w, wcols):
     """One step's packed words `[BLOCK_N, 16]` (group of 128 columns from column k0), in the A operand's layout."""
     offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // 8 + wcols)[None, :]
     return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
+
+
+@gluon.jit
+def _copy_words(slot, w_ptr, crows, crow_ok, ccols, k0, stride_w, live):
+    """Ask for one step's packed words `[BLOCK_N, 16]` into a slot of the shared ring (16-byte cp.async, a thread
+    four words of a row) as one commit group; `live` False (a step past the piece's end) copies nothing but
+    still commits, so that the groups keep counting steps."""
+    word0 = gl.multiple_of(k0 // 8, 16)  # a group's words start 64-byte aligned: 16-byte copies
+    offs = crows.to(gl.int64)[:, None] * stride_w + (word0 + ccols)[None, :]
+    ok = (crow_ok & live)[:, None] & (ccols < 16)[None, :]
+    async_copy.async_copy_global_to_shared(slot, w_ptr + offs, mask=ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -113,7 +139,7 @@ def _int4_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, USE_PDL: gl.constexpr,
+    WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -157,20 +183,51 @@ def _int4_mma_kernel(
     m_ok = xm < M
     x_rows = x_ptr + xm.to(gl.int64) * stride_x
 
-    # The weights do not depend on the kernel before: the first step's words and parameters are asked for
-    # before waiting on it; then each step asks for the next one's while it computes.
-    w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
-    s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
-    pdl_start(USE_PDL)
-
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for i in range(steps):
-        k0 = k_lo + i * GROUP
-        kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP  # the last step asks for its own again
-        w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
-        s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
-        acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
-        w, s, z = w_next, s_next, z_next
+    if STAGES == 0:
+        # The words straight into registers. The weights do not depend on the kernel before: the first step's
+        # words and parameters are asked for before waiting on it; then each step asks for the next one's while
+        # it computes.
+        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
+        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
+        pdl_start(USE_PDL)
+        for i in range(steps):
+            k0 = k_lo + i * GROUP
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP  # the last step asks for its own again
+            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
+            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
+            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
+            w, s, z = w_next, s_next, z_next
+    else:
+        # The words through a ring of STAGES steps in shared memory, STAGES - 1 steps in flight (cp.async): bytes
+        # in flight that hold no registers. A row's 16 words in four 16-byte units, unit u of row r stored at
+        # u ^ (r % 4), so that a warp's 8-byte reads in the A operand's layout meet no bank twice.
+        ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0])
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], ring_layout)
+        crows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        crow_ok = crows < N
+        ccols = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_layout))
+        # The first STAGES - 1 steps' words and the first step's parameters before the wait on the kernel before.
+        for p in gl.static_range(STAGES - 1):
+            _copy_words(ring.index(p), w_ptr, crows, crow_ok, ccols, k_lo + p * GROUP, stride_w, p < steps)
+        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
+        pdl_start(USE_PDL)
+        for i in range(steps):
+            k0 = k_lo + i * GROUP
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of step i are in
+            gl.thread_barrier()  # everyone's are; and step i - 1's slot has been read by all
+            w = ring.index(i % STAGES).load(a_layout)
+            ahead = i + STAGES - 1  # into step i - 1's slot
+            _copy_words(
+                ring.index(ahead % STAGES), w_ptr, crows, crow_ok, ccols, k_lo + ahead * GROUP, stride_w,
+                ahead < steps,
+            )  # fmt: skip
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP
+            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
+            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
+            s, z = s_next, z_next
+        async_copy.wait_group(0)  # no copy left in flight at exit (the ones past the end copy nothing)
 
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     ok = (srows < N)[:, None] & (out_rows < M)[None, :]
@@ -224,35 +281,37 @@ def _runs_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] >= 8
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int]:
-    """(BLOCK_N, WARPS, SPLIT): four warps of two 16-row tiles (128 weight rows a program), K split until the
-    programs are about three a multiprocessor (each piece at least two steps). From run 110's graph-timed sweep at
-    one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv
-    split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded
-    into the column sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
+def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, WARPS, SPLIT, STAGES): four warps of two 16-row tiles (128 weight rows a program), K split until
+    the programs are about three a multiprocessor (each piece at least two steps), the words straight into
+    registers (`MMA_STAGES` 0) or through a ring of that many steps in shared memory. The split from run 110's
+    graph-timed sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7
+    against 6.1 us): qkv split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the
+    zero points folded into the column sums and 8 or 16 rows a warp were slower or no faster
+    (benchmarks/NOTES.md)."""
     warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
     steps = k // 128
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split
+    return block_n, warps, split, MMA_STAGES
 
 
 def int4_mma(
     x: torch.Tensor,
     w: IntWeight,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
-    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT), default `mma_config`.
-    Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES), default
+    `mma_config`. Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * 8 == k
-    block_n, warps, split = config or mma_config(m, n, k)
-    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0
+    block_n, warps, split, stages = config or mma_config(m, n, k)
+    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0 and stages != 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -266,6 +325,6 @@ def int4_mma(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
         y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0),
         HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, STAGES=stages, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

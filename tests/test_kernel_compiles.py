@@ -5,6 +5,7 @@ programmatic dependent launch)."""
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 import pytest
@@ -416,28 +417,36 @@ def _int4_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("block_m", "split", "gs", "fold", "xpre"),
-    [(8, 1, 1, False, False), (8, 8, 2, True, True), (16, 2, 1, True, False)],
+    ("block_m", "split", "stages"), [(8, 1, 0), (8, 8, 0), (16, 2, 0), (8, 1, 4), (8, 8, 3)]
 )
-def test_int4_mma_kernel_compiles_for_hopper(
-    block_m: int, split: int, gs: int, fold: bool, xpre: bool
-) -> None:
-    """The Gluon INT4 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded straight into
-    mma.sync's registers: no shared memory but a split's one broadcast of its counter, the packed words in
-    8-byte loads issued before the wait on the kernel before (programmatic dependent launch), the activations in
-    16-byte loads after it, the codes turned into bf16 or fp16 pairs by the inline PTX."""
+def test_int4_mma_kernel_compiles_for_hopper(block_m: int, split: int, stages: int) -> None:
+    """The Gluon INT4 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into mma.sync's
+    registers, the activations in 16-byte loads after the wait on the kernel before (programmatic dependent
+    launch), the codes turned into bf16 or fp16 pairs by the inline PTX. The packed words: with no ring (stages 0)
+    in 8-byte loads, the first step's before the wait, and no shared memory but a split's one broadcast of its
+    counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps' before the wait, stages
+    - 2 groups left in flight at each step's wait, read back in 8-byte shared loads."""
     from tinypaged.kernels.lowbit_mma import mma_config
 
     block_n, warps = mma_config(1, 4096, 4096)[:2]
     constexprs = {"HAS_ZERO": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    constexprs |= {"WARPS": warps, "USE_PDL": True}
+    constexprs |= {"WARPS": warps, "STAGES": stages, "USE_PDL": True}
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
         kernel = _int4_mma_compile(constexprs, dtype)
         ptx = kernel.asm["ptx"]
         assert f"mma.sync.aligned.m16n8k16.row.col.f32{pair}{pair}.f32" in ptx
         wait = ptx.index("griddepcontrol.wait")
-        assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
         assert ptx.find("ld.global.v4", wait) > wait  # the activations after it
         assert f"fma.rn{pair}x2" in ptx and "lop3.b32" in ptx and "prmt.b32" in ptx
-        # Shared memory only where a split's last program learns it is the last (the counter's value broadcast).
-        assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
+        if stages == 0:
+            assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
+            # Shared memory only where a split's last program learns it is the last (its counter broadcast).
+            assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
+            assert "cp.async" not in ptx
+        else:
+            copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.cg.shared.global", i)]
+            assert sum(c < wait for c in copies) == (stages - 1) * block_n * 16 * 4 // (16 * 32 * warps)
+            assert all(", 0x10," in ptx[c : ptx.index(";", c)] for c in copies)  # 16 bytes a copy
+            assert re.search(rf"cp\.async\.wait_group\s+{stages - 2};", ptx)
+            assert "ld.shared.v2.b32" in ptx
+            assert kernel.metadata.shared >= stages * block_n * 64
