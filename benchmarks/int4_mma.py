@@ -1,18 +1,20 @@
-"""INT4 weight-only matmuls of 1-16 rows through the Gluon kernel that loads the weights straight into the tensor
-cores' registers (`kernels/lowbit_mma.py`), against the Triton tensor-core kernel (`kernels/lowbit.py`
-`wint_gemm`) and bf16, on the GPU (issue 38).
+"""INT4 and INT8 weight-only matmuls of 1-16 rows through the Gluon kernel that loads the weights straight into the
+tensor cores' registers (`kernels/lowbit_mma.py`), against the Triton kernels (`kernels/lowbit.py`: INT4
+`wint_gemm`; INT8 the GEMV at one row and the tensor-core kernel from two, as `wint_linear` dispatches them) and
+bf16, on the GPU (issue 38).
 
-    python3 benchmarks/int4_mma.py --json benchmarks/results/int4-mma-h200.json [--no-sweep]
+    python3 benchmarks/int4_mma.py --json benchmarks/results/int4-mma-h200.json [--no-sweep] [--decode MODEL]
 
-First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, bf16 and fp16 rows (1, 2, 5, 8, 9, 16),
-with and without zero points, one with a bias, the words straight into registers and through the shared ring
-(equal bits both ways): the relative error against the float32 product of the same codes (`ref`: x in float32 @
-the dequantized weight), beside `wint_gemm`'s; the same bits twice; a row alone against the same row within a
-batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own copy of the weight (past the L2),
-at 1, 2, 4, 8 and 16 rows: bf16 `ops.linear`, `wint_gemm` and `int4_mma` at its default and with a ring of `RING`
-steps, with the weight bytes each reads per second; then a sweep of `int4_mma`'s tilings (warps, 16-row tiles a
-warp, K split, the words' ring depth: 0 straight into registers, else cp.async through shared memory) at 1 and 8
-rows. The table is printed last.
+First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, INT4 and INT8, bf16 and fp16 rows (1, 2,
+5, 8, 9, 16), with and without zero points, one with a bias, the words straight into registers and through the
+shared ring (equal bits both ways): the relative error against the float32 product of the same codes (`ref`: x
+in float32 @ the dequantized weight), beside the Triton path's; the same bits twice; a row alone against the
+same row within a batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own copy of the
+weight (past the L2), at 1, 2, 4, 8 and 16 rows: bf16 `ops.linear`, the Triton path and `wint_mma` at its
+default and with a ring of `RING` steps, with the weight bytes each reads per second; then a sweep of
+`wint_mma`'s tilings (warps, 16-row tiles a warp, K split, the words' ring depth: 0 straight into registers,
+else cp.async through shared memory) at 1 and 8 rows. Then, with `--decode`, the engines of `ENGINES` one after
+the other (`--engines` picks some: eight take more than one call's ten minutes). The table is printed last.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
 # Ring depths checked and swept: 0 (the words straight into registers) and the shared ring's.
 RING = 4
 STAGES = (0, RING)
+BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
 
 
@@ -49,33 +52,43 @@ def nbytes(w: lowbit.IntWeight) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
 
 
+def triton_path(x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernels as the engine runs a layer without the Gluon one: INT4 `wint_gemm`; INT8 `wint_linear`
+    with `INT8_MMA` off (the GEMV at one row, the tensor-core kernel from two)."""
+    before, lowbit_mma.INT8_MMA = lowbit_mma.INT8_MMA, False
+    try:
+        return kernels.wint_gemm(x, w, bias) if w.bits == 4 else lowbit.wint_linear(x, w, bias)
+    finally:
+        lowbit_mma.INT8_MMA = before
+
+
 def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
     out = res.setdefault("checks", [])
     rows = (1, 5, 16) if quick else (1, 2, 5, 8, 9, 16)
-    for (name, n, k), sym in itertools.product(SHAPES + ODD, (False, True)):
-        if quick and sym and name not in ("o", "odd-b"):
+    for (name, n, k), sym, bits in itertools.product(SHAPES + ODD, (False, True), BITS):
+        if quick and sym != (bits == 8) and name not in ("o", "odd-b"):
             continue
         w32 = torch.randn(n, k, device=DEV, generator=gen) / k**0.5
-        w = lowbit.quantize_rtn(w32, 4, 128, sym)
+        w = lowbit.quantize_rtn(w32, bits, 128, sym)
         ref_w = lowbit.dequantize_weight(w)
         bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=gen) if name == "odd-b" else None
         for dt, m in itertools.product((torch.bfloat16, torch.float16), rows):
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
-            triton_err = rel_err(kernels.wint_gemm(x, w, bias), want)
+            triton_err = rel_err(triton_path(x, w, bias), want)
             first = None
             for stages in STAGES:  # the words straight into registers, and through the shared ring
-                cfg = lowbit_mma.mma_config(m, n, k)[:3] + (stages,)
-                got = lowbit_mma.int4_mma(x, w, bias, cfg)
-                again = lowbit_mma.int4_mma(x, w, bias, cfg)
+                cfg = lowbit_mma.mma_config(m, n, k, bits=bits)[:3] + (stages,)
+                got = lowbit_mma.wint_mma(x, w, bias, cfg)
+                again = lowbit_mma.wint_mma(x, w, bias, cfg)
                 row = {
-                    "name": f"{name} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} stages={stages}",
+                    "name": f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} stages={stages}",
                     "err": rel_err(got, want),
                     "triton_err": triton_err,
                     "same_twice": bool(torch.equal(got, again)),
                 }
                 if m == 16:
-                    alone = torch.cat([lowbit_mma.int4_mma(x[i : i + 1], w, bias, cfg) for i in range(m)])
+                    alone = torch.cat([lowbit_mma.wint_mma(x[i : i + 1], w, bias, cfg) for i in range(m)])
                     row["row_alone_equal"] = bool(torch.equal(alone, got))
                 if first is None:
                     first = got
@@ -104,23 +117,27 @@ def copies_for(n: int, past: float = 256e6) -> int:
 
 def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -> None:
     rows_out, sweep_out = res.setdefault("layers", []), res.setdefault("sweep", [])
-    for name, n, k in SHAPES:
+    for (name, n, k), bits in itertools.product(SHAPES, BITS):
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
-        w = lowbit.quantize_rtn(wb, 4, 128, False)
-        ws = [w] + [w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone())
+        w = lowbit.quantize_rtn(
+            wb, bits, 128, bits == 8
+        )  # the engine's schemes: INT4 zero points, INT8 symmetric
+        ws = [w] + [w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(),
+                               zeros=None if w.zeros is None else w.zeros.clone())
                     for _ in range(copies_for(nbytes(w)) - 1)]  # fmt: skip
-        bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)]
+        bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)] if bits == 4 else []
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-            row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m}
-            row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
-            row["triton_us"] = graph_us(lambda i, x=x, ws=ws: kernels.wint_gemm(x, ws[i]), len(ws))
-            row["mma_us"] = graph_us(lambda i, x=x, ws=ws: lowbit_mma.int4_mma(x, ws[i]), len(ws))
-            row["mma_config"] = lowbit_mma.mma_config(m, n, k)
-            ring = row["mma_config"][:3] + (RING,)
-            row["ring_us"] = graph_us(
-                lambda i, x=x, c=ring, ws=ws: lowbit_mma.int4_mma(x, ws[i], config=c), len(ws)
-            )
+            row: dict[str, Any] = {"layer": name, "bits": bits, "n": n, "k": k, "m": m}
+            if bs:
+                row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
+            row["triton_us"] = graph_us(lambda i, x=x, ws=ws: triton_path(x, ws[i]), len(ws))
+            row["mma_config"] = lowbit_mma.mma_config(m, n, k, bits=bits)
+            for key, stages in (("mma_us", 0), ("ring_us", RING)):
+                cfg = row["mma_config"][:3] + (stages,)
+                row[key] = graph_us(
+                    lambda i, x=x, c=cfg, ws=ws: lowbit_mma.wint_mma(x, ws[i], config=c), len(ws)
+                )
             row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
             row["ring_tbps"] = nbytes(w) / row["ring_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
@@ -128,9 +145,12 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
             print(row, flush=True)
             if not sweep or m not in (1, 8):
                 continue
-            steps = k // 128
-            rule = lowbit_mma.mma_config(m, n, k)[2]
-            tilings = itertools.product(((4, 1), (8, 1), (4, 2), (2, 2), (4, 4)), SWEPT_STAGES)
+            steps = k // (16 * (32 // bits))
+            rule = lowbit_mma.mma_config(m, n, k, bits=bits)[2]
+            # The ring's depths at the default tiling; the other tilings with and without the ring (INT4).
+            tilings = [((4, 2), st) for st in SWEPT_STAGES]
+            if bits == 4:
+                tilings += [(t, st) for t in ((4, 1), (8, 1), (2, 2), (4, 4)) for st in (0, RING)]
             for (warps, reps), stages in tilings:
                 for split in (rule // 2, rule, rule * 2, rule * 4):
                     if split < 1 or steps % split or steps // split < 2:
@@ -138,37 +158,47 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
                     cfg = (16 * warps * reps, warps, split, stages)
                     try:
                         us = graph_us(
-                            lambda i, x=x, c=cfg, ws=ws: lowbit_mma.int4_mma(x, ws[i], config=c), len(ws)
+                            lambda i, x=x, c=cfg, ws=ws: lowbit_mma.wint_mma(x, ws[i], config=c), len(ws)
                         )
                     except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit
-                        print(name, m, cfg, type(e).__name__, str(e)[:200], flush=True)
+                        print(name, bits, m, cfg, type(e).__name__, str(e)[:200], flush=True)
                         us = float("nan")
-                    sweep_out.append({"layer": name, "m": m, "config": cfg, "us": us})
-            done = [s for s in sweep_out if s["layer"] == name and s["m"] == m and s["us"] == s["us"]]
+                    sweep_out.append({"layer": name, "bits": bits, "m": m, "config": cfg, "us": us})
+            done = [
+                s
+                for s in sweep_out
+                if s["layer"] == name and s.get("bits", 4) == bits and s["m"] == m and s["us"] == s["us"]
+            ]
             if done:
                 best = min(done, key=lambda s: s["us"])
-                print(f"  best {name} M={m}: {best['config']} {best['us']:.1f} us", flush=True)
+                print(f"  best {name} int{bits} M={m}: {best['config']} {best['us']:.1f} us", flush=True)
         del ws, bs
         torch.cuda.empty_cache()
         write_json(path, res)  # a layer at a time: a cut run keeps what it measured
 
 
-def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int], tuple]:
-    """The sweep's fastest tiling by (N, K, M) at the rows it swept."""
-    best: dict[tuple[int, int, int], tuple[float, tuple]] = {}
+def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
+    """The sweep's fastest tiling by (bits, N, K, M) at the rows it swept."""
+    best: dict[tuple[int, int, int, int], tuple[float, tuple]] = {}
     for srow in res.get("sweep", []):
         n, k = next((n, k) for name, n, k in SHAPES if name == srow["layer"])
-        key = (n, k, srow["m"])
+        key = (srow.get("bits", 4), n, k, srow["m"])
         if srow["us"] == srow["us"] and (key not in best or srow["us"] < best[key][0]):
-            best[key] = (srow["us"], tuple(srow["config"]))
+            best[key] = (srow["us"], (*srow["config"], 0)[:4])  # a sweep before the ring: STAGES 0
     return {key: cfg for key, (_, cfg) in best.items()}
 
 
-def decode(res: dict[str, Any], model: str) -> None:
-    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements) of bf16, INT4 through the Triton kernel
-    (`TINYPAGED_INT4_MMA=0`), INT4 through `int4_mma` at its default tilings with the words straight into
-    registers and through a ring of `RING` steps in shared memory and, where the sweep ran, at the sweep's fastest
-    (M = 1's at one row, M = 8's at 2-8), one engine after the other in this process."""
+ENGINES = (
+    "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-swept", "int8-triton", "int8-mma", "int8-mma-ring",
+)  # fmt: skip
+
+
+def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
+    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
+    process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
+    tilings with the words straight into registers and through a ring of `RING` steps in shared memory, and,
+    where the sweep ran, at the sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128,
+    symmetric) through the Triton kernels (`INT8_MMA` off) and through `wint_mma`, without and with the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -180,18 +210,29 @@ def decode(res: dict[str, Any], model: str) -> None:
     table = best_configs(res)
     default = lowbit_mma.mma_config
     stages = lowbit_mma.MMA_STAGES
-    int4 = {"quantization": "int4"}
-    variants = [("bf16", {}, None, None, stages), ("int4-triton", int4, "0", None, stages),
-                ("int4-mma", int4, "1", None, 0), ("int4-mma-ring", int4, "1", None, RING)]  # fmt: skip
-    if table:  # each shape's fastest tiling, its ring depth included
-        variants.append(("int4-mma-swept", int4, "1", table, stages))
-    for name, kw, env, tab, ring in variants:
-        os.environ["TINYPAGED_INT4_MMA"] = env or "1"
+    int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
+    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, ring depth)
+    variants = {
+        "bf16": ({}, "1", False, None, stages),
+        "int4-triton": (int4, "0", False, None, stages),
+        "int4-mma": (int4, "1", False, None, 0),
+        "int4-mma-ring": (int4, "1", False, None, RING),
+        "int4-mma-swept": (int4, "1", False, table, stages),
+        "int8-triton": (int8, "1", False, None, 0),
+        "int8-mma": (int8, "1", True, None, 0),
+        "int8-mma-ring": (int8, "1", True, None, RING),
+    }
+    for name in engines:
+        kw, env, int8_mma, tab, ring = variants[name]
+        if name.endswith("swept") and not tab:
+            continue  # no sweep to take the tilings from
+        os.environ["TINYPAGED_INT4_MMA"] = env
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
         lowbit_mma.MMA_STAGES = ring  # mma_config's ring depth (0: the words straight into registers)
+        lowbit_mma.INT8_MMA = int8_mma
         if tab:
-            lowbit_mma.mma_config = lambda m, n, k, sms=132, t=tab: (
-                t.get((n, k, 1 if m == 1 else 8)) or default(m, n, k, sms)
+            lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=tab: (
+                t.get((bits, n, k, 1 if m == 1 else 8)) or default(m, n, k, sms, bits)
             )
         try:
             llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **kw)
@@ -203,6 +244,7 @@ def decode(res: dict[str, Any], model: str) -> None:
         finally:
             lowbit_mma.mma_config = default
             lowbit_mma.MMA_STAGES = stages
+            lowbit_mma.INT8_MMA = False
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
@@ -210,26 +252,31 @@ def decode(res: dict[str, Any], model: str) -> None:
 
 def table(res: dict[str, Any]) -> None:
     print(
-        f"\n{'layer':8} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'ring us':>7} {'mma us':>7} {'mma TB/s':>8} "
-        f"{'best us':>8}  best"
+        f"\n{'layer':8} {'bits':>4} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'ring us':>7} "
+        f"{'mma TB/s':>8} {'ring TB/s':>9} {'best us':>8}  best"
     )
+    nan = float("nan")
     for r in res.get("layers", []):
+        bits = r.get("bits", 4)
         cands = [
             s
             for s in res.get("sweep", [])
-            if s["layer"] == r["layer"] and s["m"] == r["m"] and s["us"] == s["us"]
+            if (s["layer"], s.get("bits", 4), s["m"]) == (r["layer"], bits, r["m"]) and s["us"] == s["us"]
         ]
         best = min(cands, key=lambda s: s["us"]) if cands else None
         print(
-            f"{r['layer']:8} {r['m']:>3} {r['bf16_us']:8.1f} {r['triton_us']:9.1f} {r.get('ring_us', math.nan):7.1f} "
-            f"{r['mma_us']:7.1f} "
-            f"{r['mma_tbps']:8.2f} {best['us'] if best else float('nan'):8.1f}  {best['config'] if best else ''}"
+            f"{r['layer']:8} {bits:>4} {r['m']:>3} {r.get('bf16_us', nan):8.1f} {r['triton_us']:9.1f} "
+            f"{r['mma_us']:7.1f} {r.get('ring_us', nan):7.1f} {r['mma_tbps']:8.2f} {r.get('ring_tbps', nan):9.2f} "
+            f"{best['us'] if best else nan:8.1f}  {best['config'] if best else ''}"
         )
-    tot = {m: [sum(r[c] for r in res.get("layers", []) if r["m"] == m) for c in ("bf16_us", "triton_us", "mma_us")]
-           for m in sorted({r["m"] for r in res.get("layers", [])})}  # fmt: skip
-    for m, (b, t, q) in tot.items():
+    layers = res.get("layers", [])
+    for bits, m in sorted({(r.get("bits", 4), r["m"]) for r in layers}):
+        rows = [r for r in layers if (r.get("bits", 4), r["m"]) == (bits, m)]
+        t, q, g = (sum(r.get(c, nan) for r in rows) for c in ("triton_us", "mma_us", "ring_us"))
+        b = sum(r["bf16_us"] for r in layers if r["m"] == m and "bf16_us" in r)
         print(
-            f"a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} ({t / q:.2f}x triton)"
+            f"INT{bits}, a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} "
+            f"({t / q:.2f}x triton), ring {g:.1f} ({t / g:.2f}x triton)"
         )
     dec = res.get("decode", {})
     if dec:
@@ -237,11 +284,11 @@ def table(res: dict[str, Any]) -> None:
         print(f"\n{'engine':15} {'b1 tok/s':>9} {'x bf16':>7} {'b16 tok/s':>10} {'x bf16':>7}")
         for name, r in dec.items():
             b1, b16 = (
-                r["batch1"].get("decode_tokens_per_s", float("nan")),
+                r["batch1"].get("decode_tokens_per_s", nan),
                 r["batch16"]["decode_tokens_per_s"],
             )
-            x1 = b1 / base["batch1"]["decode_tokens_per_s"] if base else float("nan")
-            x16 = b16 / base["batch16"]["decode_tokens_per_s"] if base else float("nan")
+            x1 = b1 / base["batch1"]["decode_tokens_per_s"] if base else nan
+            x16 = b16 / base["batch16"]["decode_tokens_per_s"] if base else nan
             print(f"{name:15} {b1:9.1f} {x1:7.3f} {b16:10.1f} {x16:7.3f}")
 
 
@@ -253,6 +300,7 @@ def main() -> None:
     ap.add_argument("--quick-checks", action="store_true", help="fewer shapes and row counts")
     ap.add_argument("--skip-layers", action="store_true")
     ap.add_argument("--decode", metavar="MODEL", help="also the engines' decode on this checkpoint")
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="with --decode")
     ap.add_argument(
         "--resume", action="store_true", help="start from --json's results (a sweep for --decode)"
     )
@@ -262,6 +310,7 @@ def main() -> None:
         with open(args.json) as f:
             res = json.load(f)
     gen = torch.Generator(device=DEV).manual_seed(0)
+    lowbit_mma.INT8_MMA = True  # the kernel called directly on INT8 layers (`triton_path` turns it off for its own)
     if not args.skip_checks:
         checks(res, gen, args.quick_checks)
         write_json(args.json, res)
@@ -269,7 +318,7 @@ def main() -> None:
         timings(res, gen, not args.no_sweep, args.json)
         write_json(args.json, res)
     if args.decode:
-        decode(res, args.decode)
+        decode(res, args.decode, args.engines)
         write_json(args.json, res)
     table(res)
 

@@ -1,38 +1,41 @@
-"""INT4 weight-only matmuls of 1-8 rows on the tensor cores, the weights loaded straight into the MMA's registers
-(Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x in bf16 or fp16,
-INT4 codes in groups of 128.
+"""INT4 and INT8 weight-only matmuls of 1-8 rows on the tensor cores, the weights loaded straight into the MMA's
+registers (Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x in bf16 or
+fp16, codes in groups of 128.
 
 Why: the Triton kernel (`kernels/lowbit.py` `_wint_kernel`) loads the codes in a blocked layout, and Triton moves
 the dequantized tile through shared memory into the MMA's operand layout every K step (stores, barriers, loads).
 At one row it read 1.6-2.0 TB/s of INT4 bytes (benchmarks/NOTES.md, runs 84-108). Here each thread loads, with
-plain vector loads, exactly the packed words whose codes are its own operand registers: the K loop touches no
-shared memory.
+plain vector loads, exactly the packed words whose codes are its own operand registers.
 
-The layout is kernels/lowbit.py's (compressed-tensors' pack-quantized words, float32 scales `[K / group, N]`,
-uint8 zero points or none): nothing is repacked. The tile is computed transposed, as the Triton kernel's
-(`SWAP_AB`): the weight rows on the 16-row side of `mma.sync` m16n8k16 (operand A), the token rows on its
-8-column side (operand B, up to 16 rows in two tiles). A K step is one group, 16 words a row, and its dot
-splits into eight dots of K = 16 by code position: dot j takes code j of every word (column `8 * word + j`)
-against the activations at those columns. In the A operand's layout (two consecutive K elements a register) a
-thread holds words (row, 2t), (row, 2t + 1), (row, 2t + 8), (row, 2t + 9) of its rows: code j of a pair of words
-is one bf16x2 (fp16x2) register of dot j's operand, made by kernels/lowbit.py's inline PTX (`prmt`, `lop3`, a
-packed `fma`: code - zero, exact). The activations of a step arrive as a `[16 words, M, 8 codes]` tile (a thread's
-32 columns of a row in two 32-byte runs) and are split in registers into the eight B operands; each split is
-proved to be the operand's layout at compile time (`convert_layout(..., assert_trivial=True)`). Float32 sums;
-the group's scale multiplies each step's sum: the numbers of the Triton kernel, up to the order of float32 sums.
+The layout is kernels/lowbit.py's (compressed-tensors' pack-quantized words, `PACK` = 32 / bits codes a word,
+float32 scales `[K / group, N]`, uint8 zero points or none): nothing is repacked. The tile is computed
+transposed, as the Triton kernel's (`SWAP_AB`): the weight rows on the 16-row side of `mma.sync` m16n8k16
+(operand A), the token rows on its 8-column side (operand B, up to 16 rows in two tiles). A K step is 16 words
+of each row (a group of 128 columns in INT4, half of one in INT8), and its dot splits into PACK dots of K = 16
+by code position: dot j takes code j of every word (column `PACK * word + j`) against the activations at those
+columns. In the A operand's layout (two consecutive K elements a register) a thread holds words (row, 2t),
+(row, 2t + 1), (row, 2t + 8), (row, 2t + 9) of its rows: code j of a pair of words is one bf16x2 (fp16x2)
+register of dot j's operand, made by inline PTX: code - zero, exact (INT4: kernels/lowbit.py's `prmt`, `lop3`
+and a packed `fma`; INT8: `_INT8_ASM`). The activations of a step arrive as a `[16 words, M, PACK codes]` tile
+(a thread's 2 x 2 x PACK columns of a row in 16-byte loads) and are split in registers into the PACK B
+operands; each split is proved to be the operand's layout at compile time (`convert_layout(...,
+assert_trivial=True)`). Float32 sums; the group's scale multiplies each step's sum: the numbers of the Triton
+kernel, up to the order of float32 sums.
 
 Latency: the weights never depend on the kernel before, so the first steps' words are asked for before the kernel
 waits on it (programmatic dependent launch). Then two ways (`STAGES`):
-- 0: each step loads the next one's words into registers while it computes. At one row the wide layers read
-  2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way (2 KB a
-  warp, the next step's words, held in registers until they land) against HBM's latency under load.
+- 0: each step loads the next one's words into registers while it computes. At one row the wide INT4 layers
+  read 2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way
+  (2 KB a warp, the next step's words, held in registers until they land) against HBM's latency under load.
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
-  TB/s. The sums are the same, in the same order: the same bits either way. Not yet run on a GPU: off
-  (`MMA_STAGES`) until `benchmarks/int4_mma.py` has checked and timed it. K splits
-across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in piece
-order, every piece's load in flight at once.
+  TB/s. The sums are the same, in the same order: the same bits either way.
+K splits across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in
+piece order, every piece's load in flight at once.
+
+Measured on the H200: INT4 with STAGES 0 (runs 109-113). Not yet run on a GPU: the ring, and INT8 (off until
+`benchmarks/int4_mma.py` has checked and timed them: `MMA_STAGES`, `INT8_MMA`).
 """
 
 from __future__ import annotations
@@ -56,21 +59,39 @@ from .pdl import pdl_options, pdl_start
 # measurements: the ring has not run on a GPU yet (benchmarks/NOTES.md, "INT4 in Gluon: the words through a
 # shared ring").
 MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
+# INT8 through this kernel (TINYPAGED_INT8_MMA=1); off, INT8 takes kernels/lowbit.py's GEMV and tensor-core
+# kernel: this path has not run on a GPU yet.
+INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
+GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
+
+# Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
+# the float 2^23 + zero (`prmt`: its upper three bytes, 0x4B0000, are 2^23's; the float's bits are then 2^23 +
+# code), the float 2^23 + zero is taken away (exact: a small integer), and the pair becomes one bf16x2 (fp16x2)
+# register (`cvt.rn`, exact). Inputs: the two words, then 2^23 + zero (float32) twice; outputs: codes 0-3.
+_INT8_CODE = """
+prmt.b32 f0, $4, $6, 0x765J;
+prmt.b32 f1, $5, $6, 0x765J;
+sub.f32 f0, f0, $6;
+sub.f32 f1, f1, $6;
+cvt.rn.TY.f32 $J, f1, f0;"""
+_INT8_ASM = "{\n.reg .b32 f0, f1;" + "".join(_INT8_CODE.replace("J", str(j)) for j in range(4)) + "\n}\n"
+INT8_BF16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "bf16x2"))
+INT8_FP16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "f16x2"))
 
 
 @gluon.jit
-def _words(w_ptr, rows, row_ok, k0, stride_w, wcols):
-    """One step's packed words `[BLOCK_N, 16]` (group of 128 columns from column k0), in the A operand's layout."""
-    offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // 8 + wcols)[None, :]
+def _words(w_ptr, rows, row_ok, k0, stride_w, wcols, PACK: gl.constexpr):
+    """One step's packed words `[BLOCK_N, 16]` (from column k0), in the A operand's layout."""
+    offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :]
     return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
 
 
 @gluon.jit
-def _copy_words(slot, w_ptr, crows, crow_ok, ccols, k0, stride_w, live):
+def _copy_words(slot, w_ptr, crows, crow_ok, ccols, k0, stride_w, live, PACK: gl.constexpr):
     """Ask for one step's packed words `[BLOCK_N, 16]` into a slot of the shared ring (16-byte cp.async, a thread
     four words of a row) as one commit group; `live` False (a step past the piece's end) copies nothing but
     still commits, so that the groups keep counting steps."""
-    word0 = gl.multiple_of(k0 // 8, 16)  # a group's words start 64-byte aligned: 16-byte copies
+    word0 = gl.multiple_of(k0 // PACK, 16)  # a step's words start 64-byte aligned: 16-byte copies
     offs = crows.to(gl.int64)[:, None] * stride_w + (word0 + ccols)[None, :]
     ok = (crow_ok & live)[:, None] & (ccols < 16)[None, :]
     async_copy.async_copy_global_to_shared(slot, w_ptr + offs, mask=ok)
@@ -78,28 +99,32 @@ def _copy_words(slot, w_ptr, crows, crow_ok, ccols, k0, stride_w, live):
 
 
 @gluon.jit
-def _params(s_ptr, z_ptr, g, srows, zrows, N, HAS_ZERO: gl.constexpr):
-    """Group g's scales (the accumulator's row layout) and zero points (the A operand's row layout)."""
+def _params(s_ptr, z_ptr, g, srows, zrows, N, sym_zero, HAS_ZERO: gl.constexpr):
+    """Group g's scales (the accumulator's row layout) and zero points (the A operand's row layout; symmetric:
+    `sym_zero`, 2^(bits - 1), a kernel argument rather than a constant: INT8's PTX takes 2^23 + zero in a
+    register, and a constant there is folded into every use and moved into a register again for each, 53 moves
+    a step in SASS)."""
     s = gl.load(s_ptr + g * N + srows, mask=srows < N, other=0.0)
     if HAS_ZERO:
         z = gl.load(z_ptr + g * N + zrows, mask=zrows < N, other=0).to(gl.float32)
     else:
-        z = gl.full(zrows.shape, 8.0, gl.float32, zrows.type.layout)
+        z = gl.full(zrows.shape, 0.0, gl.float32, zrows.type.layout) + sym_zero.to(gl.float32)
     return s, z
 
 
 @gluon.jit
 def _x_tile(x_rows, m_ok, k0, xw, xj):
-    """The activations of one step `[16 words, BLOCK_M, 8 codes]`: column `k0 + 8 * word + code` of each row. A
-    thread's 32 columns of a row are two runs of 16 (words 2t, 2t + 1 and 2t + 8, 2t + 9): 16-byte loads."""
+    """The activations of one step as runs of 8 columns `[RUNS, BLOCK_M, 8]`: column `k0 + 8 * run + c` of each
+    row (INT4: a run is a word's 8 codes, 16 runs; INT8: two words' 4 codes each, 8 runs). A thread's columns of
+    a row are two runs of 16 (words 2t, 2t + 1 and 2t + 8, 2t + 9 for INT4) or of 8 (INT8): 16-byte loads."""
     offs = k0 + 8 * xw[:, None, None] + xj[None, None, :]
     return gl.load(x_rows[None, :, None] + offs, mask=m_ok[None, :, None], other=0.0)
 
 
 @gluon.jit
-def _columns(x, b_layout: gl.constexpr):
-    """A step's activations dealt by code position, in registers: eight `[16, BLOCK_M]` B operands, operand j
-    holding columns `8 * word + j`."""
+def _columns8(x, b_layout: gl.constexpr):
+    """An INT4 step's activations dealt by code position, in registers: eight `[16, BLOCK_M]` B operands,
+    operand j holding columns `8 * word + j`."""
     x = gl.reshape(x, [16, x.shape[1], 2, 2, 2])  # j = 4a + 2b + c
     e, o = gl.split(x)
     e0, e1 = gl.split(e)
@@ -121,63 +146,107 @@ def _columns(x, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(acc, words, s, z, xs, ASM: gl.constexpr, MAGIC: gl.constexpr):
-    """acc + one group's eight dots (by code position) times the group's scales."""
+def _columns4(x, b_layout: gl.constexpr):
+    """An INT8 step's activations `[8 runs, BLOCK_M, 8]` (run r's column c: word 2r + c // 4, code c % 4) dealt by
+    code position: four `[16 words, BLOCK_M]` B operands, operand j holding columns `4 * word + j`."""
+    x = gl.reshape(x, [8, x.shape[1], 2, 2, 2])  # c = 4 * (word - 2r) + 2a + b, code j = 2a + b
+    e, o = gl.split(x)
+    x0, x2 = gl.split(e)
+    x1, x3 = gl.split(o)
+    return (_words_k(x0, b_layout), _words_k(x1, b_layout), _words_k(x2, b_layout), _words_k(x3, b_layout))
+
+
+@gluon.jit
+def _words_k(x, b_layout: gl.constexpr):
+    """`[8 runs, BLOCK_M, 2 words]` as the B operand `[16 words, BLOCK_M]` (word 2r + w): a relabelling of
+    registers, proved so at compile time."""
+    x = gl.reshape(gl.permute(x, [0, 2, 1]), [16, x.shape[1]])
+    return gl.convert_layout(x, b_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _columns(x, b_layout: gl.constexpr, PACK: gl.constexpr):
+    if PACK == 8:
+        out = _columns8(x, b_layout)
+    else:
+        out = _columns4(x, b_layout)
+    return out
+
+
+@gluon.jit
+def _step(acc, words, s, z, xs, BITS: gl.constexpr):
+    """acc + one step's dots (one by code position) times the group's scales."""
     DT: gl.constexpr = xs[0].dtype
-    words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
-    ws = gl.inline_asm_elementwise(
-        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
-    )
+    if BITS == 4:
+        if DT == gl.bfloat16:  # the codes' magic half: bf16 128, fp16 1024 (one unit a step there)
+            ASM4: gl.constexpr = INT4_BF16_ASM
+            MAGIC: gl.constexpr = 128.0
+        else:
+            ASM4: gl.constexpr = INT4_FP16_ASM
+            MAGIC: gl.constexpr = 1024.0
+        words, neg = gl.broadcast(words, (0.0 - (z + MAGIC)).to(DT)[:, None])
+        ws = gl.inline_asm_elementwise(
+            ASM4, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, neg], (neg.dtype,) * 8, is_pure=True, pack=2
+        )
+    else:
+        if DT == gl.bfloat16:
+            ASM8: gl.constexpr = INT8_BF16_ASM
+        else:
+            ASM8: gl.constexpr = INT8_FP16_ASM
+        words, magic = gl.broadcast(words, (z + 8388608.0)[:, None])  # 2^23 + zero, float32
+        ws = gl.inline_asm_elementwise(
+            ASM8, "=r,=r,=r,=r,r,r,r,r", [words, magic], (xs[0].dtype,) * 4, is_pure=True, pack=2
+        )
     step = gl.zeros_like(acc)
-    for j in gl.static_range(8):
+    for j in gl.static_range(32 // BITS):
         step = mma_v2(ws[j], xs[j], step)
     return acc + step * s[:, None]
 
 
 @gluon.jit
-def _int4_mma_kernel(
+def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, K_SPLIT, stride_x, stride_w, stride_y,
-    HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+    M, N, K, K_SPLIT, stride_x, stride_w, stride_y, sym_zero,
+    BITS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    DT: gl.constexpr = x_ptr.dtype.element_ty
-    if DT == gl.bfloat16:  # the codes' magic half: bf16 128, fp16 1024 (one unit a step there)
-        ASM: gl.constexpr = INT4_BF16_ASM
-        MAGIC: gl.constexpr = 128.0
-    else:
-        ASM: gl.constexpr = INT4_FP16_ASM
-        MAGIC: gl.constexpr = 1024.0
-    GROUP: gl.constexpr = 128
+    PACK: gl.constexpr = 32 // BITS
+    STEP_K: gl.constexpr = 16 * PACK  # the columns of a step: 16 words of each row
 
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     k_lo = split * K_SPLIT
-    steps = K_SPLIT // GROUP
+    steps = K_SPLIT // STEP_K
 
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     row_ok = rows < N
     wcols = gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
     srows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    # The activations' step tile [16 words, BLOCK_M rows, 8 codes]: a thread holds a row's words 2t, 2t + 1
-    # (and 2t + 8, 2t + 9) whole, so that split by code position each is the B operand's layout.
-    X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0]] + (
-        [[0, 8, 0]] if BLOCK_M == 16 else []
-    )
+    # The activations' step tile [RUNS, BLOCK_M rows, 8 columns] (`_x_tile`): a thread holds a row's words 2t,
+    # 2t + 1 (and 2t + 8, 2t + 9) whole, so that split by code position each is the B operand's layout.
+    X_M: gl.constexpr = [[0, 8, 0]] if BLOCK_M == 16 else []
+    if PACK == 8:  # 16 runs of a word each: run bits 0 and 3 in registers, 1 and 2 the lane's t
+        RUNS: gl.constexpr = 16
+        X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0]] + X_M
+        X_RUN_LANES: gl.constexpr = [[2, 0, 0], [4, 0, 0]]
+    else:  # 8 runs of two words: run bits 0 and 1 the lane's t, bit 2 in registers
+        RUNS: gl.constexpr = 8
+        X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [4, 0, 0]] + X_M
+        X_RUN_LANES: gl.constexpr = [[1, 0, 0], [2, 0, 0]]
     X_WARPS: gl.constexpr = [[0, 0, 0]] * (WARPS.bit_length() - 1)
     x_layout: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=X_REGS,
-        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=X_RUN_LANES + [[0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=X_WARPS,
         block_bases=[],
-        shape=[16, BLOCK_M, 8],
+        shape=[RUNS, BLOCK_M, 8],
     )
-    xw = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
+    xw = gl.arange(0, RUNS, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
     xj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
     m_ok = xm < M
@@ -185,18 +254,18 @@ def _int4_mma_kernel(
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
-        # The words straight into registers. The weights do not depend on the kernel before: the first step's
-        # words and parameters are asked for before waiting on it; then each step asks for the next one's while
-        # it computes.
-        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols)
-        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
+        # The words straight into registers: the first step's words and parameters are asked for before the
+        # wait on the kernel before; then each step asks for the next one's while it computes.
+        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK)
+        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
         pdl_start(USE_PDL)
         for i in range(steps):
-            k0 = k_lo + i * GROUP
-            kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP  # the last step asks for its own again
-            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols)
-            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
-            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
+            k0 = k_lo + i * STEP_K
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K  # the last step asks for its own again
+            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols, PACK)
+            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
+            xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
+            acc = _step(acc, w, s, z, xs, BITS)
             w, s, z = w_next, s_next, z_next
     else:
         # The words through a ring of STAGES steps in shared memory, STAGES - 1 steps in flight (cp.async): bytes
@@ -210,22 +279,24 @@ def _int4_mma_kernel(
         ccols = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_layout))
         # The first STAGES - 1 steps' words and the first step's parameters before the wait on the kernel before.
         for p in gl.static_range(STAGES - 1):
-            _copy_words(ring.index(p), w_ptr, crows, crow_ok, ccols, k_lo + p * GROUP, stride_w, p < steps)
-        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, HAS_ZERO)
+            _copy_words(
+                ring.index(p), w_ptr, crows, crow_ok, ccols, k_lo + p * STEP_K, stride_w, p < steps, PACK
+            )
+        s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
         pdl_start(USE_PDL)
         for i in range(steps):
-            k0 = k_lo + i * GROUP
+            k0 = k_lo + i * STEP_K
             async_copy.wait_group(STAGES - 2)  # this thread's copies of step i are in
             gl.thread_barrier()  # everyone's are; and step i - 1's slot has been read by all
             w = ring.index(i % STAGES).load(a_layout)
             ahead = i + STAGES - 1  # into step i - 1's slot
             _copy_words(
-                ring.index(ahead % STAGES), w_ptr, crows, crow_ok, ccols, k_lo + ahead * GROUP, stride_w,
-                ahead < steps,
+                ring.index(ahead % STAGES), w_ptr, crows, crow_ok, ccols, k_lo + ahead * STEP_K, stride_w,
+                ahead < steps, PACK,
             )  # fmt: skip
-            kn = k_lo + gl.minimum(i + 1, steps - 1) * GROUP
-            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, HAS_ZERO)
-            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout), ASM, MAGIC)
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K
+            s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
+            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK), BITS)
             s, z = s_next, z_next
         async_copy.wait_group(0)  # no copy left in flight at exit (the ones past the end copy nothing)
 
@@ -256,18 +327,18 @@ def _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS: gl.con
 
 
 def takes(x: torch.Tensor, w: IntWeight) -> bool:
-    """Whether the layer and the activations are the kernel's: INT4 in groups of 128 with contiguous codes, scales
-    and zero points, bf16 or fp16 activations (`usable` adds the device)."""
+    """Whether the layer and the activations are the kernel's: INT4 (INT8 too where `INT8_MMA` is on) in groups of
+    128 with contiguous codes, scales and zero points, bf16 or fp16 activations (`usable` adds the device)."""
     return (
-        w.bits == 4
-        and w.group == 128
+        (w.bits == 4 or (w.bits == 8 and INT8_MMA))
+        and w.group == GROUP.value
         and all(t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros))
         and x.dtype in (torch.bfloat16, torch.float16)
     )
 
 
 def usable(x: torch.Tensor, w: IntWeight) -> bool:
-    """Whether `int4_mma` takes this layer (`takes`) on x's device: an NVIDIA GPU of compute capability 8.0 or
+    """Whether `wint_mma` takes this layer (`takes`) on x's device: an NVIDIA GPU of compute capability 8.0 or
     later (mma.sync), not under Triton's interpreter (which cannot run Gluon). `TINYPAGED_INT4_MMA=0` (read once a
     process) turns it off: the Triton kernel then runs."""
     return takes(x, w) and x.is_cuda and _runs_on(x.device.index if x.device.index is not None else -1)
@@ -275,30 +346,30 @@ def usable(x: torch.Tensor, w: IntWeight) -> bool:
 
 @functools.cache
 def _runs_on(device_index: int) -> bool:
-    """The device half of `usable`, once a process and device (it is asked at every INT4 layer of a step)."""
+    """The device half of `usable`, once a process and device (it is asked at every quantized layer of a step)."""
     if INTERPRET or os.environ.get("TINYPAGED_INT4_MMA", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] >= 8
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int, int]:
+def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, int, int, int]:
     """(BLOCK_N, WARPS, SPLIT, STAGES): four warps of two 16-row tiles (128 weight rows a program), K split until
-    the programs are about three a multiprocessor (each piece at least two steps), the words straight into
-    registers (`MMA_STAGES` 0) or through a ring of that many steps in shared memory. The split from run 110's
-    graph-timed sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7
-    against 6.1 us): qkv split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the
-    zero points folded into the column sums and 8 or 16 rows a warp were slower or no faster
+    the programs are about three a multiprocessor (each piece at least two steps of 16 words a row), the words
+    straight into registers (`MMA_STAGES` 0) or through a ring of that many steps in shared memory. The split from
+    run 110's graph-timed INT4 sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but
+    o_proj's (6.7 against 6.1 us): qkv split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two
+    groups, the zero points folded into the column sums and 8 or 16 rows a warp were slower or no faster
     (benchmarks/NOTES.md)."""
     warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
-    steps = k // 128
+    steps = k // (16 * (32 // bits))
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
     return block_n, warps, split, MMA_STAGES
 
 
-def int4_mma(
+def wint_mma(
     x: torch.Tensor,
     w: IntWeight,
     bias: torch.Tensor | None = None,
@@ -309,9 +380,10 @@ def int4_mma(
     `mma_config`. Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
-    assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * 8 == k
-    block_n, warps, split, stages = config or mma_config(m, n, k)
-    assert block_n % (16 * warps) == 0 and (k // 128) % split == 0 and stages != 1
+    pack = 32 // w.bits
+    assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
+    block_n, warps, split, stages = config or mma_config(m, n, k, bits=w.bits)
+    assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -321,10 +393,10 @@ def int4_mma(
     else:
         part = counters = y
     s, z = w.scales, w.zeros
-    _int4_mma_kernel[(tiles, split)](
+    _wint_mma_kernel[(tiles, split)](
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
-        y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0),
-        HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
+        y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0), 1 << (w.bits - 1),
+        BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
         BLOCK_N=block_n, WARPS=warps, STAGES=stages, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

@@ -400,10 +400,10 @@ def test_attention_tiles_of_head_dim_256_fit_hopper(decode: bool) -> None:
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
-def _int4_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
+def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tinypaged.kernels.lowbit_mma import _int4_mma_kernel as fn
+    from tinypaged.kernels.lowbit_mma import _wint_mma_kernel as fn
 
     types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
@@ -417,27 +417,37 @@ def _int4_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("block_m", "split", "stages"), [(8, 1, 0), (8, 8, 0), (16, 2, 0), (8, 1, 4), (8, 8, 3)]
+    ("bits", "block_m", "split", "stages", "zeros"),
+    [(4, 8, 1, 0, True), (4, 8, 8, 0, True), (4, 16, 2, 0, True), (4, 8, 1, 4, True), (4, 8, 8, 3, False)]
+    + [(8, 8, 1, 0, False), (8, 16, 4, 0, True), (8, 8, 2, 4, False)],
 )
-def test_int4_mma_kernel_compiles_for_hopper(block_m: int, split: int, stages: int) -> None:
-    """The Gluon INT4 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into mma.sync's
-    registers, the activations in 16-byte loads after the wait on the kernel before (programmatic dependent
-    launch), the codes turned into bf16 or fp16 pairs by the inline PTX. The packed words: with no ring (stages 0)
-    in 8-byte loads, the first step's before the wait, and no shared memory but a split's one broadcast of its
-    counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps' before the wait, stages
-    - 2 groups left in flight at each step's wait, read back in 8-byte shared loads."""
+def test_wint_mma_kernel_compiles_for_hopper(
+    bits: int, block_m: int, split: int, stages: int, zeros: bool
+) -> None:
+    """The Gluon INT4 / INT8 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into
+    mma.sync's registers, the activations in 16-byte loads after the wait on the kernel before (programmatic
+    dependent launch), the codes turned into bf16 or fp16 pairs by the inline PTX (INT4: a packed fma; INT8: a
+    float32 subtraction and a conversion of the pair), 32 / bits dots a step. The packed words: with no ring
+    (stages 0) in 8-byte loads, the first step's before the wait, and no shared memory but a split's one
+    broadcast of its counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps'
+    before the wait, stages - 2 groups left in flight at each step's wait, read back in 8-byte shared loads."""
     from tinypaged.kernels.lowbit_mma import mma_config
 
-    block_n, warps = mma_config(1, 4096, 4096)[:2]
-    constexprs = {"HAS_ZERO": True, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    constexprs |= {"WARPS": warps, "STAGES": stages, "USE_PDL": True}
+    block_n, warps = mma_config(1, 4096, 4096, bits=bits)[:2]
+    constexprs = {"BITS": bits, "HAS_ZERO": zeros, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m}
+    constexprs |= {"BLOCK_N": block_n, "WARPS": warps, "STAGES": stages, "USE_PDL": True}
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
-        kernel = _int4_mma_compile(constexprs, dtype)
+        kernel = _wint_mma_compile(constexprs, dtype)
         ptx = kernel.asm["ptx"]
         assert f"mma.sync.aligned.m16n8k16.row.col.f32{pair}{pair}.f32" in ptx
         wait = ptx.index("griddepcontrol.wait")
         assert ptx.find("ld.global.v4", wait) > wait  # the activations after it
-        assert f"fma.rn{pair}x2" in ptx and "lop3.b32" in ptx and "prmt.b32" in ptx
+        if bits == 4:
+            assert f"fma.rn{pair}x2" in ptx and "lop3.b32" in ptx and "prmt.b32" in ptx
+        else:
+            assert f"cvt.rn{pair}x2.f32" in ptx and "0x7653" in ptx and "sub.f32" in ptx
+        # A loop's dots: eight INT4 code positions a step, four INT8 ones (the tiles a warp times that).
+        assert ptx.count("mma.sync") % (32 // bits) == 0
         if stages == 0:
             assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
             # Shared memory only where a split's last program learns it is the last (its counter broadcast).

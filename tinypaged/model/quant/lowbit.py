@@ -35,7 +35,7 @@ from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 GEMV_ROWS = 4
 GEMM_ROWS = 64
 # INT4 steps of up to MMA_ROWS rows, groups of 128, go through kernels/lowbit_mma.py (the weights loaded straight
-# into the tensor cores' registers) where `lowbit_mma.usable` says it runs.
+# into the tensor cores' registers) where `lowbit_mma.usable` says it runs (INT8 too, where switched on there).
 MMA_ROWS = 8
 
 
@@ -153,7 +153,7 @@ def ref_wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = N
 
 def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A weight-only INT4 / INT8 linear layer with `ref_wint_linear`'s numbers, on any device: by the row
-    count, the Gluon INT4 kernel (up to MMA_ROWS, where it runs), the Triton GEMV (up to GEMV_ROWS), the
+    count, the Gluon kernel (up to MMA_ROWS, where it runs), the Triton GEMV (up to GEMV_ROWS), the
     tensor-core kernel (up to GEMM_ROWS) or the weight
     dequantized to x's dtype and torch's matmul; on the CPU torch's packed kernels in bf16 where the layer
     was packed for them (model/quant/cpu.py), else the reference."""
@@ -170,7 +170,7 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
     from tinypaged.kernels import lowbit_mma
 
     if m <= MMA_ROWS and lowbit_mma.usable(x2, w):
-        y = lowbit_mma.int4_mma(x2, w, bias)
+        y = lowbit_mma.wint_mma(x2, w, bias)
     elif m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
         y = kernels.wint_gemv(x2, w, bias)
     elif m <= GEMM_ROWS:
