@@ -189,16 +189,18 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
 
 
 ENGINES = (
-    "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-swept", "int8-triton", "int8-mma", "int8-mma-ring",
+    "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
+    "int8-triton", "int8-mma", "int8-mma-ring",
 )  # fmt: skip
 
 
 def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
     process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
-    tilings with the words straight into registers and through a ring of `RING` steps in shared memory, and,
-    where the sweep ran, at the sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128,
-    symmetric) through the Triton kernels (`INT8_MMA` off) and through `wint_mma`, without and with the ring."""
+    tilings with the words straight into registers and through a ring of `RING` steps in shared memory (that
+    also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the sweep's fastest (M =
+    1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA` off)
+    and through `wint_mma`, without and with the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -211,19 +213,22 @@ def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
     default = lowbit_mma.mma_config
     stages = lowbit_mma.MMA_STAGES
     int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
-    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, ring depth)
+    rows = lowbit.MMA_ROWS
+    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, ring depth, MMA_ROWS)
     variants = {
-        "bf16": ({}, "1", False, None, stages),
-        "int4-triton": (int4, "0", False, None, stages),
-        "int4-mma": (int4, "1", False, None, 0),
-        "int4-mma-ring": (int4, "1", False, None, RING),
-        "int4-mma-swept": (int4, "1", False, table, stages),
-        "int8-triton": (int8, "1", False, None, 0),
-        "int8-mma": (int8, "1", True, None, 0),
-        "int8-mma-ring": (int8, "1", True, None, RING),
+        "bf16": ({}, "1", False, None, stages, rows),
+        "int4-triton": (int4, "0", False, None, stages, rows),
+        "int4-mma": (int4, "1", False, None, 0, rows),
+        "int4-mma-ring": (int4, "1", False, None, RING, rows),
+        # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
+        "int4-mma-ring16": (int4, "1", False, None, RING, 16),
+        "int4-mma-swept": (int4, "1", False, table, stages, rows),
+        "int8-triton": (int8, "1", False, None, 0, rows),
+        "int8-mma": (int8, "1", True, None, 0, rows),
+        "int8-mma-ring": (int8, "1", True, None, RING, rows),
     }
     for name in engines:
-        kw, env, int8_mma, tab, ring = variants[name]
+        kw, env, int8_mma, tab, ring, lowbit.MMA_ROWS = variants[name]
         if name.endswith("swept") and not tab:
             continue  # no sweep to take the tilings from
         os.environ["TINYPAGED_INT4_MMA"] = env
@@ -245,6 +250,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
             lowbit_mma.mma_config = default
             lowbit_mma.MMA_STAGES = stages
             lowbit_mma.INT8_MMA = False
+            lowbit.MMA_ROWS = rows
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
@@ -310,7 +316,9 @@ def main() -> None:
         with open(args.json) as f:
             res = json.load(f)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    lowbit_mma.INT8_MMA = True  # the kernel called directly on INT8 layers (`triton_path` turns it off for its own)
+    lowbit_mma.INT8_MMA = (
+        True  # the kernel called directly on INT8 layers (`triton_path` turns it off for its own)
+    )
     if not args.skip_checks:
         checks(res, gen, args.quick_checks)
         write_json(args.json, res)
