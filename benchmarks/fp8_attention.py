@@ -1,10 +1,12 @@
 """Paged attention over an FP8 (E4M3) KV cache against the bf16 cache, on one GPU: checks, then decode timing.
 
 Checks: decode and a mixed batch (prefill chunks beside decodes) over an E4M3 cache with per-layer k/v scales,
-bf16 and fp16 queries, against `ops.ref_paged_attention` on the dequantized cache (float32), for each tile.
+bf16 and fp16 queries, against `ops.ref_paged_attention` on the dequantized cache (float32), for each tile and
+for the Gluon decode kernel (kernels/attention_fp8.py: its own split choice, and 4 splits).
 Timing: decode steps of 64-256 sequences at 512-2048 tokens of context (8B shape: 32 query heads, 8 KV heads,
 128 dims, block size 16), as CUDA-graph replays over caches that exceed the L2; bf16 against FP8 with each
-variant of the decode tile. Bytes are the K/V bytes read; the FP8 cache reads half of bf16's.
+variant of the decode tile and through the Gluon kernel (`fp8 gluon`). Bytes are the K/V bytes read; the FP8
+cache reads half of bf16's.
 
     python3 benchmarks/fp8_attention.py --json $OUT/fp8-attention.json
 """
@@ -12,6 +14,8 @@ variant of the decode tile. Bytes are the K/V bytes read; the FP8 cache reads ha
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +51,16 @@ def _with(cfg: AttnConfig, **kw: Any) -> AttnConfig:
     return AttnConfig(**{**cfg.__dict__, **kw})
 
 
+@contextlib.contextmanager
+def gluon(on: bool = True) -> Iterator[None]:
+    """Decode steps over an FP8 cache through the Gluon kernel (kernels/attention_fp8.py) while active."""
+    before, tk.attention_fp8.FP8_DECODE_MMA = tk.attention_fp8.FP8_DECODE_MMA, on
+    try:
+        yield
+    finally:
+        tk.attention_fp8.FP8_DECODE_MMA = before
+
+
 def checks(res: dict[str, Any]) -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for name, q_lens, ctx in [
@@ -58,15 +72,29 @@ def checks(res: dict[str, Any]) -> None:
             kv8, ks, vs = to_fp8(kv)
             deq = torch.stack([dequantize(kv8[0], torch.tensor(ks)), dequantize(kv8[1], torch.tensor(vs))])
             ref = ops.ref_paged_attention(q.float(), deq.float(), bt, sl, qsl, D**-0.5)
-            for variant, cfgs in variants(q).items():
-                out = tk.paged_attention(q, kv8, bt, sl, qsl, D**-0.5, configs=cfgs, k_scale=ks, v_scale=vs)
+            runs = {v: (cfgs, None, False) for v, cfgs in variants(q).items()}
+            runs |= {"gluon": (None, None, True), "gluon-split4": (None, 4, True)}
+            for variant, (cfgs, splits, on) in runs.items():
+                with gluon(on):
+                    out = tk.paged_attention(
+                        q,
+                        kv8,
+                        bt,
+                        sl,
+                        qsl,
+                        D**-0.5,
+                        configs=cfgs,
+                        k_scale=ks,
+                        v_scale=vs,
+                        num_kv_splits=splits,
+                    )
                 err = rel_err(out, ref)
                 ok = err < 5e-3
                 res["checks"].append(
                     {"case": name, "q_dtype": str(dtype), "variant": variant, "rel_err": err, "ok": ok}
                 )
                 print(
-                    f"check {name:6s} {str(dtype):15s} {variant:6s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}"
+                    f"check {name:6s} {str(dtype):15s} {variant:12s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}"
                 )
 
 
@@ -103,6 +131,13 @@ def timing(res: dict[str, Any]) -> None:
                     )
                 except Exception as e:  # a tile past the shared memory: recorded, the others go on
                     row[f"fp8 {variant}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            try:
+                with gluon():
+                    row["fp8 gluon_us"] = (
+                        graph_ms([run(s, c, None, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
+                    )
+            except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                row["fp8 gluon_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             row["bf16_TBps"] = bf16_bytes / row["bf16_us"] / 1e6
             res["decode"].append(row)
             print(row, flush=True)

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_configs import AttnConfig, choose_num_splits, default_configs, launch_options
+from . import attention_fp8
+from .attention_configs import AttnConfig, choose_num_splits, decode_program, default_configs, launch_options
 from .pdl import pdl_options, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -180,16 +181,7 @@ def _paged_attn_kernel(
     v_ptr = kv_ptr + stride_kv
     split = 0
     if DECODE:
-        # Axis 1 is (sequence, split), the split fastest: a sequence's splits start together, and in the
-        # longest-first order the longest sequences' splits all start first.
-        rank = tl.program_id(1)
-        if SPLIT_KV:
-            split = rank % num_splits
-            rank = rank // num_splits
-        if ORDERED:
-            seq = tl.load(seq_order_ptr + rank)
-        else:
-            seq = rank
+        seq, split = decode_program(seq_order_ptr, num_splits, SPLIT_KV, ORDERED)
         q_block = 0
     else:
         # Reversed so that the last (longest, under the causal mask) query blocks start first.
@@ -498,7 +490,13 @@ def paged_attention(
     # With short queries (a verification's k + 1 tokens) the split count is chosen for a sequence every k + 1
     # tokens (a 16-token graph: 4), so that a verification's context splits.
     live = num_seqs if block_q == 1 else min(num_seqs, triton.cdiv(num_tokens, block_q))
-    splits = num_kv_splits or choose_num_splits(q, live, num_kv_heads, longest, cfg.block_n)
+    # Single new tokens over an FP8 cache may go to the Gluon kernel (kernels/attention_fp8.py, switched off
+    # until a GPU has checked and timed it), with its own split choice for its one-warp programs.
+    gluon = attention_fp8.usable(q, kv_layer, window, block_q)
+    if gluon:
+        splits = num_kv_splits or attention_fp8.splits(live, num_kv_heads, longest, q)
+    else:
+        splits = num_kv_splits or choose_num_splits(q, live, num_kv_heads, longest, cfg.block_n)
     if splits > 1:
         part_o = torch.empty(
             (splits, num_seqs, block_q, num_heads, head_dim), dtype=torch.float32, device=q.device
@@ -507,27 +505,33 @@ def paged_attention(
     else:
         part_o = part_ml = out
     assert ranks * splits < 2**16, "too many decode programs for the grid's second axis"
-    _paged_attn_kernel[(num_kv_heads, ranks * splits, 1)](
-        q,
-        kv_layer,
-        out,
-        part_o,
-        part_ml,
-        *tensors,
-        seq_lens if seq_order is None else seq_order,
-        **common,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=cfg.block_n,
-        num_splits=splits,
-        DECODE=True,
-        SHORT_Q=block_q,
-        SPLIT_KV=splits > 1,
-        ORDERED=seq_order is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **launch_options(q, cfg),
-    )
+    if gluon:
+        attention_fp8.fp8_decode(
+            q, kv_layer, out, block_tables, seq_lens, query_start_loc, seq_order, common["qk_scale"],
+            common["v_scale"], ranks, splits, part_o, part_ml,
+        )  # fmt: skip
+    else:
+        _paged_attn_kernel[(num_kv_heads, ranks * splits, 1)](
+            q,
+            kv_layer,
+            out,
+            part_o,
+            part_ml,
+            *tensors,
+            seq_lens if seq_order is None else seq_order,
+            **common,
+            BLOCK_M=cfg.block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=cfg.block_n,
+            num_splits=splits,
+            DECODE=True,
+            SHORT_Q=block_q,
+            SPLIT_KV=splits > 1,
+            ORDERED=seq_order is not None,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **launch_options(q, cfg),
+        )
     if splits > 1:
         _reduce_kernel[(ranks, num_heads, block_q)](
             out,

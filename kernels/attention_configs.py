@@ -1,4 +1,5 @@
-"""Tile configs and split-KV choice of the paged attention kernel (kernels/attention.py), per device and shape."""
+"""Tile configs and split-KV choice of the paged attention kernels (kernels/attention.py, kernels/attention_fp8.py),
+per device and shape, and their decode grid's (sequence, split) of a program."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,19 @@ def splits_for_programs(programs: int, slots: int, max_splits: int) -> int:
 def launch_options(q: torch.Tensor, cfg: AttnConfig) -> dict[str, int]:
     """Extra `kernel[grid](...)` options of a config (the register cap, on a GPU only)."""
     return {"maxnreg": cfg.maxnreg} if q.is_cuda and cfg.maxnreg else {}
+
+
+@triton.jit
+def decode_program(seq_order_ptr, num_splits, SPLIT_KV: tl.constexpr, ORDERED: tl.constexpr):
+    """A decode program's (sequence, split). Axis 1 is (sequence, split), the split fastest: a sequence's splits
+    start together, and in the longest-first order (`seq_order`) the longest sequences' splits all start first."""
+    rank = tl.program_id(1)
+    split = 0
+    if SPLIT_KV:
+        split = rank % num_splits
+        rank = rank // num_splits
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + rank)
+    else:
+        seq = rank
+    return seq, split

@@ -460,3 +460,53 @@ def test_wint_mma_kernel_compiles_for_hopper(
             assert re.search(rf"cp\.async\.wait_group\s+{stages - 2};", ptx)
             assert "ld.shared.v2.b32" in ptx
             assert kernel.metadata.shared >= stages * block_n * 64
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "split"), [(128, False), (128, True), (64, True), (32, False), (16, True)]
+)
+def test_fp8_decode_attention_kernel_compiles_for_hopper(head_dim: int, split: bool) -> None:
+    """The Gluon decode attention over an FP8 cache (kernels/attention_fp8.py) compiles for sm_90 with its K and V
+    tiles loaded straight into mma.sync's operand registers: no shared memory, a thread's bytes of a key in runs
+    (16-byte loads at 128 head dimensions: 4 keys' K and 8 keys' V a thread a 32-key step), E4M3 pairs converted
+    in registers, fp16 dots with float32 sums."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tinypaged.kernels.attention_fp8 import BLOCK_N, raw_layouts
+    from tinypaged.kernels.attention_fp8 import _fp8_decode_kernel as fn
+
+    k_raw, v_raw = raw_layouts(head_dim, BLOCK_N)
+    constexprs = {"G": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_N": BLOCK_N, "K_RAW": k_raw}
+    constexprs |= {"V_RAW": v_raw, "SPLIT_KV": split, "ORDERED": True, "USE_PDL": True}
+    types = {
+        "kv_ptr": "*u8",
+        "part_o_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "qk_scale": "fp32",
+        "v_scale": "fp32",
+    }
+    types |= {a: "*i32" for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr")}
+    signature = {
+        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+        for a in fn.arg_names
+    }
+    plain = ("constexpr", "fp32")
+    aligned = [
+        i
+        for i, a in enumerate(fn.arg_names)
+        if signature[a] not in plain and a not in ("num_seqs", "num_splits")
+    ]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert ptx.count("mma.sync") == 2 * (head_dim // 16) * (
+        BLOCK_N // 8
+    )  # S: K steps x key tiles; O the same
+    assert (
+        ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * BLOCK_N * head_dim // 32 // 2
+    )  # a step's K and V, a pair each
+    assert "ld.shared" not in ptx and "st.shared" not in ptx
+    if head_dim == 128:  # K: 32-byte runs, V: 16-byte runs, in 16-byte loads
+        assert ptx.count("ld.global.v4.b32") == 4 * 2 + 8
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

@@ -9,6 +9,7 @@ without a warm-up entry fails here. The engine's own warm-up does nothing on the
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import random
@@ -28,7 +29,7 @@ from tinypaged.core.schedule_types import ScheduledSeq
 from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.step import warmup
 from tinypaged.engine.step.llm_engine import LLMEngine
-from tinypaged.kernels import attention, lowbit_mma
+from tinypaged.kernels import attention, attention_fp8, lowbit_mma
 from tinypaged.kernels.attention_configs import splits_for_programs
 from tinypaged.model.quant.linear import IntLinearMethod
 from tinypaged.sampling_params import SamplingParams, StructuredOutputsParams
@@ -45,6 +46,8 @@ CONFIGS = {
     "int8": {"quantization": "int8"},
     # INT4 in groups of 128 (a model whose layers take 128 or 256 columns) in bf16: the Gluon kernel's layers.
     "int4_g128": {"quantization": "int4", "dtype": "bfloat16"},
+    # An FP8 cache with its decode steps through the Gluon kernel (switched on, as a GPU run would).
+    "fp8_kv_mma": {"kv_cache_dtype": "fp8"},
 }
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
@@ -71,8 +74,9 @@ def _key(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
     return fn.__name__, tuple(spec), options
 
 
-def record(f: Callable[[], object]) -> set[Key]:
-    """Run f with the ops on the Triton kernels, each launch recorded (not run); the launches' keys."""
+def record(f: Callable[[], object], fp8_attention_mma: bool = False) -> set[Key]:
+    """Run f with the ops on the Triton kernels, each launch recorded (not run); the launches' keys.
+    `fp8_attention_mma`: decode over an FP8 cache through the Gluon kernel (switched on)."""
     keys: set[Key] = set()
 
     def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
@@ -82,7 +86,12 @@ def record(f: Callable[[], object]) -> set[Key]:
         m.setattr(JITFunction, "run", run)
         m.setattr(ops, "_INTERPRET", True)
         m.setattr(attention, "choose_num_splits", _gpu_splits)
-        m.setattr(lowbit_mma, "usable", lowbit_mma.takes)  # as on a GPU: the Gluon kernel where it runs there
+        m.setattr(
+            lowbit_mma, "usable", lowbit_mma.takes
+        )  # as on a GPU: the Gluon kernels where they run there
+        m.setattr(attention_fp8, "usable", attention_fp8.takes)
+        m.setattr(attention_fp8, "splits", functools.partial(attention_fp8.splits, sms=132))  # an H200's
+        m.setattr(attention_fp8, "FP8_DECODE_MMA", fp8_attention_mma)
         f()
     return keys
 
@@ -202,7 +211,7 @@ def warmed(tiny: Path, wide: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
         else:
             engine = _engine(tiny, **kw)
         assert dict(engine.startup)["warmup"] == 0.0  # the CPU: nothing to compile, nothing done
-        out[name] = engine, record(lambda e=engine: warmup.warm_up(e, force=True))
+        out[name] = engine, record(lambda e=engine: warmup.warm_up(e, force=True), name == "fp8_kv_mma")
     yield out
     for engine, _ in out.values():
         engine.shutdown()
@@ -212,7 +221,7 @@ def warmed(tiny: Path, wide: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
 def swept(warmed) -> dict[str, set[Key]]:
     """What a sweep of step shapes and random requests launches on each configuration's engine."""
     return {
-        name: record(lambda e=engine, s=i: _sweep(e, seed=s))
+        name: record(lambda e=engine, s=i: _sweep(e, seed=s), name == "fp8_kv_mma")
         for i, (name, (engine, _)) in enumerate(warmed.items())
     }
 
