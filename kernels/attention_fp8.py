@@ -190,13 +190,18 @@ def raw_layouts(head_dim: int, block_n: int) -> tuple[gl.DistributedLinearLayout
 
 def takes(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: int) -> bool:
     """Whether a decode launch is this kernel's (`usable` adds the device): switched on, an FP8 cache, one new
-    token a sequence, no window, 16 to 128 head dimensions, at most 16 query heads a KV head (any block size:
-    each key's block is looked up)."""
+    token a sequence, no window, bf16 or fp16 queries, 16 to 128 head dimensions, at most 16 query heads a KV
+    head (any block size: each key's block is looked up)."""
     if not (FP8_DECODE_MMA and kv_layer.dtype == torch.float8_e4m3fn):
         return False
     num_kv_heads, head_dim = kv_layer.shape[3:]
     return (
-        window is None and block_q == 1 and head_dim in (16, 32, 64, 128) and q.shape[1] // num_kv_heads <= 16
+        window is None
+        and block_q == 1
+        and q.dtype
+        in (torch.bfloat16, torch.float16)  # float32 queries keep the Triton kernel's float32 dots
+        and head_dim in (16, 32, 64, 128)
+        and q.shape[1] // num_kv_heads <= 16
     )
 
 
