@@ -46,8 +46,8 @@ CONFIGS = {
     "int8": {"quantization": "int8"},
     # INT4 in groups of 128 (a model whose layers take 128 or 256 columns) in bf16: the Gluon kernel's layers.
     "int4_g128": {"quantization": "int4", "dtype": "bfloat16"},
-    # An FP8 cache with its decode steps through the Gluon kernel (switched on, as a GPU run would).
-    "fp8_kv_mma": {"kv_cache_dtype": "fp8"},
+    # An FP8 cache with its decode steps through the Gluon kernel (switched on; bf16 queries, as on a GPU).
+    "fp8_kv_mma": {"kv_cache_dtype": "fp8", "dtype": "bfloat16"},
 }
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
