@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .attention_configs import decode_program
+from .attention_configs import decode_program, num_sms, splits_for_programs
 from .fp8 import INTERPRET
 from .pdl import pdl_options, pdl_start
 
@@ -226,8 +226,6 @@ def splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, q: torch.Tensor, sms: int | None = None
 ) -> int:
     """KV splits, as kernels/attention_configs.py chooses them, for one-warp programs (`sms`: the device's)."""
-    from .attention_configs import num_sms, splits_for_programs
-
     slots = PROGRAMS_PER_SM * (sms or num_sms(q.device))
     return splits_for_programs(num_seqs * num_kv_heads, slots, max(1, min(64, max_seq_len // (4 * BLOCK_N))))
 

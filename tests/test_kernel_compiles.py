@@ -400,20 +400,35 @@ def test_attention_tiles_of_head_dim_256_fit_hopper(decode: bool) -> None:
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
-def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
+def _gluon_compile(
+    fn: Any,
+    constexprs: dict[str, Any],
+    types: dict[str, str],
+    dtype: str,
+    warps: int,
+    unaligned: tuple[str, ...],
+) -> Any:
+    """A Gluon kernel compiled for sm_90: arguments typed by `types`, other pointers `dtype`, other scalars i32,
+    every non-constexpr argument but `unaligned` (and float scalars) marked divisible by 16, as launches
+    specialise them."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tinypaged.kernels.lowbit_mma import _wint_mma_kernel as fn
-
-    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {
         a: "constexpr" if a in constexprs else types.get(a, dtype if a.endswith("_ptr") else "i32")
         for a in fn.arg_names
     }
-    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr" and a != "M"]
+    plain = ("constexpr", "fp32")
+    aligned = [i for i, a in enumerate(fn.arg_names) if signature[a] not in plain and a not in unaligned]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs["WARPS"]})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
+    from tinypaged.kernels.lowbit_mma import _wint_mma_kernel as fn
+
+    types = {"w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    return _gluon_compile(fn, constexprs, types, dtype, constexprs["WARPS"], ("M",))
 
 
 @pytest.mark.parametrize(
@@ -470,8 +485,6 @@ def test_fp8_decode_attention_kernel_compiles_for_hopper(head_dim: int, split: b
     tiles loaded straight into mma.sync's operand registers: no shared memory, a thread's bytes of a key in runs
     (16-byte loads at 128 head dimensions: 4 keys' K and 8 keys' V a thread a 32-key step), E4M3 pairs converted
     in registers, fp16 dots with float32 sums."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from tinypaged.kernels.attention_fp8 import BLOCK_N, raw_layouts
     from tinypaged.kernels.attention_fp8 import _fp8_decode_kernel as fn
 
@@ -486,19 +499,7 @@ def test_fp8_decode_attention_kernel_compiles_for_hopper(head_dim: int, split: b
         "v_scale": "fp32",
     }
     types |= {a: "*i32" for a in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "seq_order_ptr")}
-    signature = {
-        a: "constexpr" if a in constexprs else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-        for a in fn.arg_names
-    }
-    plain = ("constexpr", "fp32")
-    aligned = [
-        i
-        for i, a in enumerate(fn.arg_names)
-        if signature[a] not in plain and a not in ("num_seqs", "num_splits")
-    ]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+    ptx = _gluon_compile(fn, constexprs, types, "*bf16", 1, ("num_seqs", "num_splits")).asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert ptx.count("mma.sync") == 2 * (head_dim // 16) * (
         BLOCK_N // 8
