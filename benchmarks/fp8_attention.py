@@ -89,12 +89,18 @@ def checks(res: dict[str, Any]) -> None:
                         num_kv_splits=splits,
                     )
                 err = rel_err(out, ref)
-                ok = err < 5e-3
+                # A Gluon variant that the launcher did not route to the kernel (`usable` false on this device)
+                # would only check the Triton kernel again: a failure, not a pass.
+                with gluon(on):
+                    routed = tk.attention_fp8.usable(q, kv8, None, 1)
+                ok = err < 5e-3 and routed == on
                 res["checks"].append(
-                    {"case": name, "q_dtype": str(dtype), "variant": variant, "rel_err": err, "ok": ok}
-                )
+                    {"case": name, "q_dtype": str(dtype), "variant": variant, "rel_err": err, "gluon": routed,
+                     "ok": ok}
+                )  # fmt: skip
                 print(
-                    f"check {name:6s} {str(dtype):15s} {variant:12s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}"
+                    f"check {name:6s} {str(dtype):15s} {variant:12s} rel_err {err:.2e} gluon {routed} "
+                    f"{'ok' if ok else 'FAIL'}"
                 )
 
 
@@ -133,6 +139,8 @@ def timing(res: dict[str, Any]) -> None:
                     row[f"fp8 {variant}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
             try:
                 with gluon():
+                    # timed only where the launcher routes to it: else the column would time the Triton kernel
+                    assert tk.attention_fp8.usable(sets[0][0], fp8_sets[0][1], None, 1), "not routed to Gluon"
                     row["fp8 gluon_us"] = (
                         graph_ms([run(s, c, None, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
                     )
