@@ -116,7 +116,13 @@ def _metadata(reader: Any) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
-        meta[key] = field.contents()
+        try:  # the reader decodes values only here: a damaged string is not UTF-8
+            meta[key] = field.contents()
+        except Exception as exc:
+            path = getattr(reader.data, "filename", "the GGUF file")  # the reader's np.memmap
+            raise WeightsError(
+                f"{path}: truncated or not a GGUF file (metadata {key!r}: {type(exc).__name__}: {exc})"
+            ) from exc
     return meta
 
 

@@ -206,13 +206,25 @@ def _corrupt(data: bytes, how: str) -> bytes:
     }
     if how == "truncated":
         return data[:-100]
+    if how == "string":  # the architecture's name no longer UTF-8 (the reader decodes values lazily)
+        at = data.index(b"llama", data.index(b"general.architecture") + len(b"general.architecture"))
+        return data[:at] + b"\xff\xfe" + data[at + 2 :]
     pos, value = patch[how]
     return data[:pos] + value + data[pos + len(value) :]
 
 
 @pytest.mark.parametrize(
     "how",
-    ["truncated", "tensor count", "metadata count", "dim", "dim overflow", "type", "offset past the end"],
+    [
+        "truncated",
+        "tensor count",
+        "metadata count",
+        "dim",
+        "dim overflow",
+        "type",
+        "offset past the end",
+        "string",
+    ],
 )
 def test_corrupt_gguf_is_one_clear_error_and_writes_nothing(tmp_path: Path, how: str) -> None:
     from tinypaged.weights import convert_gguf, fetch
