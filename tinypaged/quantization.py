@@ -155,7 +155,14 @@ def resolve_quantization(
         )
     layers = {}
     for layer in layer_names:
-        scheme = reader(raw, layer, where)
+        try:
+            scheme = reader(raw, layer, where)
+        except ConfigError:
+            raise
+        except (AttributeError, TypeError, KeyError, ValueError) as e:  # a field of the wrong JSON type
+            raise ConfigError(
+                f"{where}: layer {layer}: quantization_config ({method}) is malformed: {type(e).__name__}: {e}"
+            ) from e
         if scheme is not None:
             if layer == "lm_head":
                 raise ConfigError(

@@ -349,3 +349,40 @@ def test_a_group_that_does_not_divide_a_layer_is_refused(tmp_path: Path) -> None
         ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj: 64 input columns .* groups of 96"
     ):
         load_model(ModelConfig.from_dir(tmp_path), torch.float32, torch.device("cpu"), 64)
+
+
+MALFORMED = {  # a field of the wrong JSON type, as a damaged or hand-edited config.json may hold
+    "ct-ignore-number": _ct("pack-quantized", num_bits=4) | {"ignore": 5},
+    "ct-kv-scheme-number": _ct("pack-quantized", num_bits=4) | {"kv_cache_scheme": 3},
+    "ct-groups-list": {"quant_method": "compressed-tensors", "config_groups": [1, 2]},
+    "gptq-not-convert-number": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "modules_to_not_convert": 5,
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_quantization_config_fails_in_one_line(tmp_path: Path, case: str) -> None:
+    config = _hf_model().config.to_dict() | {"quantization_config": MALFORMED[case]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConfigError, match=r"layer model\.layers\.0\.self_attn\.q_proj: .* is malformed"
+    ) as err:
+        EngineConfig(model=tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_scale_stored_across_instead_of_along_the_rows_is_refused(tmp_path: Path) -> None:
+    """A per-channel scale is `[out, 1]` (or `[out]`); `[1, out]` has the same values in another layout."""
+    from safetensors.torch import load_file
+
+    path = _write_compressed_tensors(tmp_path, 8, True, "channel")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    tensors[name] = tensors[name].t().contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape \(1, \d+\), expected \(\d+,\)"):
+        load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)

@@ -48,9 +48,16 @@ class TensorLayout:
         return tuple(dims[d] for d in sorted(dims))  # type: ignore[type-var]
 
     def fits(self, shape: tuple[int, ...], rows: int, cols: int) -> bool:
-        """Whether a checkpoint tensor of `shape` is this layout of a `rows` x `cols` weight (size-1 dims are
-        ignored: a per-channel scale is written `[out]` or `[out, 1]`, a per-tensor one `[]` or `[1]`)."""
-        return [d for d in shape if d != 1] == [d for d in self.shape(rows, cols) if d != 1]
+        """Whether a checkpoint tensor of `shape` is this layout of a `rows` x `cols` weight. Trailing size-1
+        dims may be dropped or added (a per-channel scale is written `[out]` or `[out, 1]`, a per-tensor one
+        `[]` or `[1]`), no other: `[1, out]` holds the same values across, not along, the rows."""
+
+        def trimmed(s: tuple[int, ...]) -> tuple[int, ...]:
+            while s and s[-1] == 1:
+                s = s[:-1]
+            return s
+
+        return trimmed(tuple(shape)) == trimmed(self.shape(rows, cols))
 
     def index(self, rows: slice, cols: slice, name: str) -> tuple[slice, ...] | EllipsisType:
         """The stored part of the given weight rows and columns (which must start on a stored element; `...`:
