@@ -77,7 +77,10 @@ def convert_gguf(
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     if kinds:
         config["quantization_config"] = {"quant_method": "gguf", "layers": kinds}
-    tokenizer = build_tokenizer(meta)  # everything is checked before the first file is written
+    try:
+        tokenizer = build_tokenizer(meta)  # everything is checked before the first file is written
+    except WeightsError as e:
+        raise WeightsError(f"{gguf_path}: {e}") from e
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

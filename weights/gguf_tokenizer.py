@@ -24,7 +24,20 @@ _QWEN2_SPLIT = (
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """The tokenizer of a GGUF file's metadata (everything checked: a WeightsError names what is not run)."""
+    """The tokenizer of a GGUF file's metadata (everything checked: a WeightsError names what is not run, or
+    what the `tokenizers` library refused of a damaged vocabulary or merge list, in one line)."""
+    try:
+        return _build(meta)
+    except WeightsError:
+        raise
+    except Exception as e:  # tokenizers raises bare Exception / TypeError, over several lines
+        why = (str(e).splitlines() or [""])[0]
+        raise WeightsError(
+            f"the GGUF's tokenizer cannot be built from its metadata ({type(e).__name__}: {why})"
+        ) from e
+
+
+def _build(meta: dict[str, Any]) -> Any:
     kind = meta.get("tokenizer.ggml.model")
     if kind == "llama":
         tok = _sentencepiece(meta)

@@ -281,3 +281,16 @@ def test_gguf_scheme_resolution_refuses_in_one_line() -> None:
     for kind, (bits, group, mins) in GGUF_TYPES.items():  # the resolver's table is the repacking's
         w = repack("w", kind, _blocks(kind, 4, 256, np.random.default_rng(4)), 4, 256)
         assert (w.bits, w.group, w.mins is not None) == (bits, group, mins), kind
+
+
+@pytest.mark.parametrize("merges", [["Ġ"], ["Ġt qqqzzzxx"]], ids=["one-token merge", "merge of no token"])
+def test_a_damaged_tokenizer_is_one_clear_error(gguf_path: Path, merges: list[str]) -> None:
+    """What the `tokenizers` library refuses of a GGUF's vocabulary or merges (a bare Exception, or a TypeError
+    over several lines) is one WeightsError line."""
+    from tinypaged.weights.gguf_convert import _metadata
+    from tinypaged.weights.gguf_tokenizer import build_tokenizer
+
+    meta = _metadata(gguf.GGUFReader(gguf_path))
+    with pytest.raises(WeightsError, match="tokenizer cannot be built from its metadata") as err:
+        build_tokenizer(meta | {"tokenizer.ggml.merges": merges})
+    assert "\n" not in str(err.value)
