@@ -386,3 +386,21 @@ def test_a_scale_stored_across_instead_of_along_the_rows_is_refused(tmp_path: Pa
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape \(1, \d+\), expected \(\d+,\)"):
         load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("method", ["gptq", "ct"])
+def test_integer_scales_are_refused(tmp_path: Path, method: str) -> None:
+    """Scales stored as integers (truncated, mostly to zero) name the tensor instead of loading."""
+    from safetensors.torch import load_file
+
+    path = (
+        _write_packed(tmp_path, "gptq")[0]
+        if method == "gptq"
+        else _write_compressed_tensors(tmp_path, 4, False, "group")
+    )
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj." + ("scales" if method == "gptq" else "weight_scale")
+    tensors[name] = tensors[name].to(torch.int64)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' is torch.int64, but scales are floating-point"):
+        load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)

@@ -173,7 +173,10 @@ def _load_linear(
             f"tensor {name!r} has shape {shape}, expected {want} ({layer.method}) from config.json"
         )
     src_rows, src_cols = (*piece.src, slice(None))[:2]
-    layer.method.load(layer, suffix, tensor[layout.index(src_rows, src_cols, name)], piece.rows)
+    src = tensor[layout.index(src_rows, src_cols, name)]
+    if ("scale" in suffix or suffix == "mins") and not src.is_floating_point():  # would load truncated
+        raise ConfigError(f"tensor {name!r} is {src.dtype}, but scales are floating-point ({layer.method})")
+    layer.method.load(layer, suffix, src, piece.rows)
 
 
 def _slices(
