@@ -43,8 +43,11 @@ from .pdl import pdl_options, pdl_start
 # Decode steps over an FP8 cache through this kernel (TINYPAGED_FP8_ATTN_MMA=1); off, the Triton kernel runs them.
 FP8_DECODE_MMA = os.environ.get("TINYPAGED_FP8_ATTN_MMA", "0") == "1"
 # One-warp programs resident a multiprocessor, for the split choice: 168 registers a thread (SASS, head_dim
-# 128) leave room for 12; the sweep should measure it.
+# 128) leave room for 12; the sweep should measure it. A split launch is held to SPLIT_MAXNREG registers, so
+# that they fit: at head_dim 128 with 8 or 16 query heads a KV head it would take 174-176 (11 programs), and
+# at 4 it spills 8 bytes without the cap, none with it (SASS, session fifteen).
 PROGRAMS_PER_SM = 12
+SPLIT_MAXNREG = 65536 // (32 * PROGRAMS_PER_SM) // 8 * 8  # 168
 BLOCK_N = 32  # keys a step
 _NEG_BIG = gl.constexpr(-1.0e30)  # kernels/attention.py's finite minus infinity for the running max
 
@@ -82,7 +85,8 @@ def _fp8_decode_kernel(
     seq_order_ptr, qk_scale, v_scale, num_seqs, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kv, stride_kb, stride_kt, stride_kh, stride_bt,
     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-    K_RAW: gl.constexpr, V_RAW: gl.constexpr, SPLIT_KV: gl.constexpr, ORDERED: gl.constexpr, USE_PDL: gl.constexpr,
+    K_RAW: gl.constexpr, V_RAW: gl.constexpr, Q_RAW: gl.constexpr, O_LAYOUT: gl.constexpr, SPLIT_KV: gl.constexpr,
+    ORDERED: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -106,12 +110,15 @@ def _fp8_decode_kernel(
         lo = 0
         hi = n_tiles
 
-    # Q [16, HEAD_DIM] in the dot's permuted dimension order; rows past G are padding (zeros).
-    qm = gl.arange(0, 16, layout=gl.SliceLayout(1, a_layout))
-    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
-    q_col = (qd & 1) + 2 * ((qd >> 3) & 1) + 4 * (qd >> 4) + (HEAD_DIM // 4) * ((qd >> 1) & 3)
+    # Q [16, HEAD_DIM], rows past G padding (zeros), loaded in runs of HEAD_DIM / 4 (`q_raw_layout`), then put
+    # in the dot's permuted dimension order: column 16b + 8c + 2a + d of the operand is Q's a (HEAD_DIM / 4) +
+    # 4b + 2c + d, the order K's bytes are relabelled in (`_k_operand`).
+    qm = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_RAW))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_RAW))
     q_rows = q_start.to(gl.int64) * stride_qt + (kv_head * G + qm).to(gl.int64) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + q_col[None, :], mask=(qm < G)[:, None], other=0.0).to(gl.float16)
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=(qm < G)[:, None], other=0.0).to(gl.float16)
+    q = gl.permute(gl.reshape(q, [16, 4, HEAD_DIM // 16, 2, 2]), [0, 2, 3, 1, 4])
+    q = gl.convert_layout(gl.reshape(q, [16, HEAD_DIM]), a_layout, assert_trivial=True)
 
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
     kv_head_off = kv_head.to(gl.int64) * stride_kh
@@ -142,9 +149,14 @@ def _fp8_decode_kernel(
         m_i = m_new
     acc = acc * v_scale  # sum_j p_j (v_j * v_scale), once a row
 
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
-    out_col = J * (cols % 8) + cols // 8  # O's permuted columns back in place
+    # O's permuted columns back in place (column n of the accumulator is O's J (n % 8) + n // 8), as a reordering
+    # of each thread's registers into runs of 2 J columns (`o_layout`).
+    acc = gl.reshape(gl.permute(gl.reshape(acc, [16, J, 8]), [0, 2, 1]), [16, HEAD_DIM])
+    acc = gl.convert_layout(acc, O_LAYOUT, assert_trivial=True)
+    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))
+    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, O_LAYOUT))
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, O_LAYOUT))
+    out_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))
     row_ok = rows < G
     head = kv_head * G + rows
     if SPLIT_KV:
@@ -161,6 +173,33 @@ def _fp8_decode_kernel(
         o_rows = q_start.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
         o_ptrs = out_ptr + o_rows[:, None] + out_col[None, :]
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.cache
+def q_raw_layout(head_dim: int) -> gl.DistributedLinearLayout:
+    """The layout Q `[16 rows, head_dim]` is loaded in: a thread's head_dim / 4 consecutive columns (the lane's t
+    choosing which quarter) of rows g and g + 8. Relabelled (the kernel's Q block) it is the A operand's layout."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range((head_dim // 4).bit_length() - 1)] + [[8, 0]],
+        lane_bases=[[0, head_dim // 4], [0, head_dim // 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, head_dim],
+    )
+
+
+@functools.cache
+def o_layout(head_dim: int) -> gl.DistributedLinearLayout:
+    """The layout O `[16 rows, head_dim]` is stored in: the accumulator's registers reordered, so that a thread
+    holds 2 head_dim / 8 consecutive columns (from 2t head_dim / 8) of rows g and g + 8."""
+    j = head_dim // 8
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range(j.bit_length() - 1)] + [[0, j], [8, 0]],
+        lane_bases=[[0, 2 * j], [0, 4 * j], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, head_dim],
+    )
 
 
 @functools.cache
@@ -256,5 +295,7 @@ def fp8_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_layer.stride(0), kv_layer.stride(1),
         kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
         G=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        K_RAW=k_raw, V_RAW=v_raw, SPLIT_KV=num_splits > 1, ORDERED=seq_order is not None, num_warps=1, **pdl_options(q),
+        K_RAW=k_raw, V_RAW=v_raw, Q_RAW=q_raw_layout(head_dim), O_LAYOUT=o_layout(head_dim), SPLIT_KV=num_splits > 1,
+        ORDERED=seq_order is not None, num_warps=1, **pdl_options(q),
+        **({"maxnreg": SPLIT_MAXNREG} if num_splits > 1 else {}),
     )  # fmt: skip

@@ -485,12 +485,13 @@ def test_fp8_decode_attention_kernel_compiles_for_hopper(head_dim: int, split: b
     tiles loaded straight into mma.sync's operand registers: no shared memory, a thread's bytes of a key in runs
     (16-byte loads at 128 head dimensions: 4 keys' K and 8 keys' V a thread a 32-key step), E4M3 pairs converted
     in registers, fp16 dots with float32 sums."""
-    from tinypaged.kernels.attention_fp8 import BLOCK_N, raw_layouts
+    from tinypaged.kernels.attention_fp8 import BLOCK_N, o_layout, q_raw_layout, raw_layouts
     from tinypaged.kernels.attention_fp8 import _fp8_decode_kernel as fn
 
     k_raw, v_raw = raw_layouts(head_dim, BLOCK_N)
     constexprs = {"G": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_N": BLOCK_N, "K_RAW": k_raw}
-    constexprs |= {"V_RAW": v_raw, "SPLIT_KV": split, "ORDERED": True, "USE_PDL": True}
+    constexprs |= {"V_RAW": v_raw, "Q_RAW": q_raw_layout(head_dim), "O_LAYOUT": o_layout(head_dim)}
+    constexprs |= {"SPLIT_KV": split, "ORDERED": True, "USE_PDL": True}
     types = {
         "kv_ptr": "*u8",
         "part_o_ptr": "*fp32",
@@ -508,6 +509,8 @@ def test_fp8_decode_attention_kernel_compiles_for_hopper(head_dim: int, split: b
         ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * BLOCK_N * head_dim // 32 // 2
     )  # a step's K and V, a pair each
     assert "ld.shared" not in ptx and "st.shared" not in ptx
-    if head_dim == 128:  # K: 32-byte runs, V: 16-byte runs, in 16-byte loads
-        assert ptx.count("ld.global.v4.b32") == 4 * 2 + 8
+    if head_dim == 128:  # K: 32-byte runs, V: 16-byte runs, in 16-byte loads; Q and O in runs too
+        assert ptx.count("ld.global.v4.b32") == 4 * 2 + 8 + 8  # a step's K and V; Q's 2 rows x 64 bytes
+        assert ptx.count("st.global.v4.b32") == (16 if split else 8)  # O's 2 rows x 32 columns a thread
+        assert "st.global.b16" not in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
