@@ -187,3 +187,12 @@ def test_speculative_config_flag(capsys, tiny_model: Path) -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
     code, out, _ = _run(capsys, "generate", "--model", str(tiny_model), "--speculative-config", spec, "Hi")
     assert code == 0 and out
+
+
+def test_a_path_that_cannot_be_written_is_one_line(capsys, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    argv = ["weights", "random", "--config", "smollm2-135m", "--out", str(tmp_path / "a-file" / "model")]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "a-file" in lines[0], err

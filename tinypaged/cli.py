@@ -323,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ValueError, MemoryError) as e:
+    except (
+        ConfigError,
+        ValueError,
+        MemoryError,
+        OSError,
+    ) as e:  # OSError: a path that cannot be read or written
         print(f"error: {e}", file=sys.stderr)
         return 2
     except EngineError as e:  # e.g. a tensor-parallel worker that died

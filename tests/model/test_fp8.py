@@ -260,6 +260,27 @@ def test_tinypaged_quantize_reads_back_in_compressed_tensors(tmp_path: Path) -> 
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "again")]) == 2  # already quantized
 
 
+def test_tinypaged_quantize_bad_paths_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model directory that is not there, or an output that cannot be created: one line, exit status 2,
+    nothing written."""
+    src = tmp_path / "f32"
+    _hf_model().save_pretrained(src)
+    (tmp_path / "a-file").write_text("")
+    capsys.readouterr()  # transformers' progress bar
+    cases = [
+        (tmp_path / "missing", tmp_path / "out", "model directory not found"),
+        (tmp_path / "a-file", tmp_path / "out", "model directory not found"),
+        (src, tmp_path / "a-file" / "out", "cannot write"),
+    ]
+    for model, out, why in cases:
+        assert main(["quantize", "--model", str(model), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "f32"]
+
+
 UNSUPPORTED = {
     "nvfp4": (
         {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],

@@ -74,7 +74,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def quantize_checkpoint(src: Path, out: Path) -> Path:
     """Write `src` (a full-precision model directory) to `out` as an FP8_DYNAMIC compressed-tensors
     checkpoint; returns `out`. ConfigError if `src` is already quantized or `out` exists."""
+    from tinypaged.config import ModelConfig
+
     src, out = Path(src), Path(out)
+    ModelConfig.from_dir(src)  # a model directory this engine runs, or ConfigError saying why not
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")
@@ -82,10 +85,13 @@ def quantize_checkpoint(src: Path, out: Path) -> Path:
     if out.exists():
         raise ConfigError(f"{out} exists; give a new directory")
     files = checkpoint_files(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from e
+    try:
         weight_map: dict[str, str] = {}
         for file in files:
             tensors: dict[str, torch.Tensor] = {}
