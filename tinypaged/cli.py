@@ -323,12 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (
-        ConfigError,
-        ValueError,
-        MemoryError,
-        OSError,
-    ) as e:  # OSError: a path that cannot be read or written
+    # OSError: a path that cannot be read or written (a model directory, an output directory)
+    except (ConfigError, ValueError, MemoryError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except EngineError as e:  # e.g. a tensor-parallel worker that died

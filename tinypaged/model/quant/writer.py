@@ -73,7 +73,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def quantize_checkpoint(src: Path, out: Path) -> Path:
     """Write `src` (a full-precision model directory) to `out` as an FP8_DYNAMIC compressed-tensors
-    checkpoint; returns `out`. ConfigError if `src` is already quantized or `out` exists."""
+    checkpoint; returns `out`. ConfigError if `src` is not a model directory this engine runs or is already
+    quantized, or if `out` exists or cannot be created."""
     from tinypaged.config import ModelConfig
 
     src, out = Path(src), Path(out)
