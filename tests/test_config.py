@@ -103,3 +103,28 @@ def test_tensor_parallel_sizes_that_split(model, tp: int) -> None:
 def test_tensor_parallel_mlp_must_split(model) -> None:
     with pytest.raises(ConfigError, match="does not divide its MLP width 90"):
         EngineConfig.from_kwargs(model(intermediate_size=90), tensor_parallel_size=4)
+
+
+DAMAGED = {  # config.json fields a damaged or hand-edited file may hold (found by fuzzing)
+    "zero-heads": ({"num_attention_heads": 0}, "ZeroDivisionError|num_attention_heads"),
+    "negative-size": ({"hidden_size": -64}, "hidden_size -64 is not a size"),
+    "huge-size": ({"head_dim": 2**62}, "head_dim 4611686018427387904 is not a size"),
+    "odd-head-dim": ({"head_dim": 3}, "head_dim 3 is odd"),
+    "rope-parameters-number": ({"rope_parameters": 3}, "AttributeError"),
+    "rope-scaling-string": ({"rope_scaling": "llama"}, "rope_scaling 'llama' is not an object"),
+    "llama3-without-factor": ({"rope_scaling": {"rope_type": "llama3"}}, "needs a positive factor"),
+    "llama3-equal-factors": (
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 2, "high_freq_factor": 2}},
+        "high_freq_factor > low_freq_factor",
+    ),
+    "negative-theta": ({"rope_theta": -1}, "rope_theta -1.0 is not a positive number"),
+    "model-type-list": ({"model_type": [1], "architectures": 5}, "unsupported model architecture"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_config_json_is_one_clear_error(model, case: str) -> None:
+    overrides, message = DAMAGED[case]
+    with pytest.raises(ConfigError, match=message) as err:
+        EngineConfig(model=model(**overrides))
+    assert "\n" not in str(err.value)

@@ -87,8 +87,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, path: Path, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed config.json, rejecting architectures this engine does not implement."""
-        archs = raw.get("architectures") or []
-        model_type = raw.get("model_type")
+        listed = raw.get("architectures")
+        archs = [a for a in listed if isinstance(a, str)] if isinstance(listed, list) else []
+        model_type = raw.get("model_type") if isinstance(raw.get("model_type"), str) else None
         arch_type = {a: t for t, a in zip(FAMILIES, SUPPORTED_ARCHITECTURES, strict=True)}
         family = FAMILIES.get(model_type) or next(
             (FAMILIES[arch_type[a]] for a in archs if a in arch_type), None
@@ -146,8 +147,28 @@ class ModelConfig:
                 attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
                 final_logit_softcapping=raw.get("final_logit_softcapping"),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
             raise ConfigError(f"bad config.json in {path}: {type(e).__name__}: {e}") from e
+        sizes = {
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        }
+        for name, size in sizes.items():
+            if not 0 < size < 2**31:  # tensor dimensions and kernel indices are 32-bit
+                raise ConfigError(
+                    f"bad config.json in {path}: {name} {size} is not a size from 1 to 2^31 - 1"
+                )
+        if cfg.head_dim % 2:
+            raise ConfigError(
+                f"bad config.json in {path}: head_dim {cfg.head_dim} is odd (rotary takes pairs)"
+            )
+        _check_rope(cfg, path)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"num_attention_heads {cfg.num_heads} is not a multiple of {cfg.num_kv_heads}")
         if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) not in (
@@ -181,6 +202,35 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s window (None: the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+
+def _finite(v: Any) -> bool:
+    """Whether v is a finite JSON number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_rope(cfg: ModelConfig, path: Path) -> None:
+    """ConfigError where the rotary settings (or the norm's eps) would give NaNs, or fail where they are used."""
+    if not (_finite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ConfigError(f"bad config.json in {path}: rope_theta {cfg.rope_theta} is not a positive number")
+    if not (_finite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
+        raise ConfigError(f"bad config.json in {path}: rms_norm_eps {cfg.rms_norm_eps} is not a number >= 0")
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling!r} is not an object")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("linear", "llama3") and not (_finite(scaling.get("factor")) and scaling["factor"] > 0):
+        raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling} needs a positive factor")
+    if kind == "llama3":
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        if not (_finite(low) and _finite(high) and high > low and _finite(old_ctx) and old_ctx > 0):
+            raise ConfigError(
+                f"bad config.json in {path}: rope_scaling {scaling} needs high_freq_factor > low_freq_factor "
+                "and a positive original_max_position_embeddings"
+            )
 
 
 def _layer_windows(family: str, raw: dict[str, Any]) -> tuple[int | None, ...]:

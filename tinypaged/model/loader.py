@@ -103,11 +103,15 @@ def load_model(
         owner, attr = _owner(model, name)
         # Zeroed: the vocabulary padding rows of the last rank must hold zeros (their logits are cut off).
         p_dtype = p.dtype if getattr(p, "keep_dtype", False) else dtype
-        setattr(
-            owner,
-            attr,
-            torch.nn.Parameter(torch.zeros(p.shape, dtype=p_dtype, device=device), requires_grad=False),
-        )
+        try:
+            zeros = torch.zeros(p.shape, dtype=p_dtype, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            size = math.prod(p.shape) * p_dtype.itemsize
+            raise ConfigError(
+                f"{cfg.path}: {name} {tuple(p.shape)} ({size / 2**30:.1f} GiB) cannot be allocated on {device}: "
+                f"the model config.json describes does not fit ({type(e).__name__})"
+            ) from e
+        setattr(owner, attr, torch.nn.Parameter(zeros, requires_grad=False))
     params = dict(model.named_parameters())
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     model.cos_sin_cache = torch.empty(0, device=device)
