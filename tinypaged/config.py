@@ -8,6 +8,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tinypaged.config_json import check_values, layer_windows
 from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.reservation import KV_RESERVATIONS, make_kv_cache_manager
 from tinypaged.core.schedule_types import SchedulerConfig
@@ -135,7 +136,7 @@ class ModelConfig:
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 quantization_config=raw.get("quantization_config"),
                 family=family,
-                layer_windows=_layer_windows(family, raw),
+                layer_windows=layer_windows(family, raw),
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
                 qk_norm=family in ("qwen3", "gemma3"),
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
@@ -149,26 +150,7 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
             raise ConfigError(f"bad config.json in {path}: {type(e).__name__}: {e}") from e
-        sizes = {
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "vocab_size": cfg.vocab_size,
-            "max_position_embeddings": cfg.max_position_embeddings,
-        }
-        for name, size in sizes.items():
-            if not 0 < size < 2**31:  # tensor dimensions and kernel indices are 32-bit
-                raise ConfigError(
-                    f"bad config.json in {path}: {name} {size} is not a size from 1 to 2^31 - 1"
-                )
-        if cfg.head_dim % 2:
-            raise ConfigError(
-                f"bad config.json in {path}: head_dim {cfg.head_dim} is odd (rotary takes pairs)"
-            )
-        _check_rope(cfg, path)
+        check_values(cfg, path)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(f"num_attention_heads {cfg.num_heads} is not a multiple of {cfg.num_kv_heads}")
         if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) not in (
@@ -202,63 +184,6 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s window (None: the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else None
-
-
-def _finite(v: Any) -> bool:
-    """Whether v is a finite JSON number (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_rope(cfg: ModelConfig, path: Path) -> None:
-    """ConfigError where the rotary settings (or the norm's eps) would give NaNs, or fail where they are used."""
-    if not (_finite(cfg.rope_theta) and cfg.rope_theta > 0):
-        raise ConfigError(f"bad config.json in {path}: rope_theta {cfg.rope_theta} is not a positive number")
-    if not (_finite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
-        raise ConfigError(f"bad config.json in {path}: rms_norm_eps {cfg.rms_norm_eps} is not a number >= 0")
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return
-    if not isinstance(scaling, dict):
-        raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling!r} is not an object")
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in ("linear", "llama3") and not (_finite(scaling.get("factor")) and scaling["factor"] > 0):
-        raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling} needs a positive factor")
-    if kind == "llama3":
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_ctx = scaling.get("original_max_position_embeddings", 8192)
-        if not (_finite(low) and _finite(high) and high > low and _finite(old_ctx) and old_ctx > 0):
-            raise ConfigError(
-                f"bad config.json in {path}: rope_scaling {scaling} needs high_freq_factor > low_freq_factor "
-                "and a positive original_max_position_embeddings"
-            )
-
-
-def _layer_windows(family: str, raw: dict[str, Any]) -> tuple[int | None, ...]:
-    """Each layer's window from config.json: `layer_types` where it is written, else the family's rule (Mistral:
-    every layer; Qwen: none unless `use_sliding_window`, then the layers from `max_window_layers` on; Gemma 3:
-    all but every `sliding_window_pattern`-th). A window of 0 or null is none."""
-    window = raw.get("sliding_window")
-    n = int(raw["num_hidden_layers"])
-    if (
-        not window
-        or (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"))
-        or family == "llama"
-    ):
-        return ()
-    types = raw.get("layer_types")
-    if types is None:
-        if family == "mistral":
-            types = ["sliding_attention"] * n
-        elif family == "gemma3":
-            pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-        else:
-            start = int(raw.get("max_window_layers", n))
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types {types} is not one of sliding_attention/full_attention a layer")
-    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    return windows if any(windows) else ()
 
 
 def _arg(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - argparse's word
