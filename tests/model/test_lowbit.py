@@ -404,3 +404,17 @@ def test_integer_scales_are_refused(tmp_path: Path, method: str) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ConfigError, match=rf"tensor '{name}' is torch.int64, but scales are floating-point"):
         load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"])
+def test_integer_values_in_a_full_precision_checkpoint_are_refused(tmp_path: Path, name: str) -> None:
+    """A weight (or a norm's) stored as integers, with no quantization_config: cast, it would hold other values."""
+    from safetensors.torch import load_file
+
+    model = _hf_model()
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' is torch\.int32"):
+        load_model(ModelConfig.from_dir(tmp_path), torch.float32, torch.device("cpu"), 64)

@@ -134,6 +134,8 @@ def load_model(
         if piece.rows is not None:
             dst = dst[piece.rows[0] : piece.rows[1]]
         src = tensor[piece.src]
+        if not src.is_floating_point():  # integers would be cast to values they never held
+            raise ConfigError(f"tensor {name!r} is {src.dtype}, expected floating-point values")
         dst[: src.shape[0]].copy_(src)  # fewer rows than dst only where the vocabulary is padded
         loaded.add(piece.key)
 
@@ -180,6 +182,10 @@ def _load_linear(
     src = tensor[layout.index(src_rows, src_cols, name)]
     if ("scale" in suffix or suffix == "mins") and not src.is_floating_point():  # would load truncated
         raise ConfigError(f"tensor {name!r} is {src.dtype}, but scales are floating-point ({layer.method})")
+    if suffix == "weight" and not src.is_floating_point():  # integer codes come as qweight / weight_packed
+        raise ConfigError(
+            f"tensor {name!r} is {src.dtype}, but no quantization_config covers it ({layer.method})"
+        )
     layer.method.load(layer, suffix, src, piece.rows)
 
 
