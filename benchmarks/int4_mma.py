@@ -194,7 +194,7 @@ ENGINES = (
 )  # fmt: skip
 
 
-def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
+def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> None:
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
     process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers and through a ring of `RING` steps in shared memory (that
@@ -254,6 +254,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str]) -> None:
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
+        write_json(path, res)  # an engine at a time: a cut run keeps what it measured
 
 
 def table(res: dict[str, Any]) -> None:
@@ -326,7 +327,7 @@ def main() -> None:
         timings(res, gen, not args.no_sweep, args.json)
         write_json(args.json, res)
     if args.decode:
-        decode(res, args.decode, args.engines)
+        decode(res, args.decode, args.engines, args.json)
         write_json(args.json, res)
     table(res)
 
