@@ -328,10 +328,12 @@ def _store(acc, b_ptr, y_ptr, srows, out_rows, ok, N, stride_y, HAS_BIAS: gl.con
 
 def takes(x: torch.Tensor, w: IntWeight) -> bool:
     """Whether the layer and the activations are the kernel's: INT4 (INT8 too where `INT8_MMA` is on) in groups of
-    128 with contiguous codes, scales and zero points, bf16 or fp16 activations (`usable` adds the device)."""
+    128 with contiguous codes, scales and zero points and no GGUF mins, bf16 or fp16 activations (`usable` adds
+    the device)."""
     return (
         (w.bits == 4 or (w.bits == 8 and INT8_MMA))
         and w.group == GROUP.value
+        and w.mins is None
         and all(t is None or t.is_contiguous() for t in (w.qweight, w.scales, w.zeros))
         and x.dtype in (torch.bfloat16, torch.float16)
     )

@@ -122,3 +122,14 @@ def test_configs_at_the_8b_shapes() -> None:
     assert gemm_config(32, 6144, 4096, 128) == (32, 64, 128, 4, 4, 3)  # from 17 rows: four warps
     assert gemm_config(1, 28672, 4096, 128)[:4] == (16, 128, 128, 2)
     assert gemm_config(64, 28672, 4096, 128)[:4] == (64, 128, 128, 2)
+
+
+def test_the_gluon_kernel_leaves_gguf_mins_to_the_reference() -> None:
+    """`wint_mma` has no term for GGUF's per-group mins (`q * d + m`): `takes` refuses such a weight itself,
+    not only through `wint_linear`'s routing."""
+    from tinypaged.kernels import lowbit_mma
+
+    x, q, _ = operands(1, 64, 256, 4, 128, False, torch.bfloat16, seed=5)
+    assert lowbit_mma.takes(x, q)
+    mins = torch.zeros(256 // 128, 64)
+    assert not lowbit_mma.takes(x, q._replace(mins=mins))
