@@ -34,8 +34,9 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
 K splits across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in
 piece order, every piece's load in flight at once.
 
-Measured on the H200: INT4 with STAGES 0 (runs 109-113). Not yet run on a GPU: the ring, and INT8 (off until
-`benchmarks/int4_mma.py` has checked and timed them: `MMA_STAGES`, `INT8_MMA`).
+Measured on the H200: INT4 with STAGES 0 (runs 109-114, the default). The ring and INT8 are right and slower
+(run 114: INT4 batch 1 1.52x bf16 through the ring against 1.71x; INT8 1.09x against the Triton GEMV's 1.29x), so
+both stay off (`MMA_STAGES`, `INT8_MMA`) for side-by-side measurements.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ from .lowbit import INT4_BF16_ASM, INT4_FP16_ASM, IntWeight
 from .pdl import pdl_options, pdl_start
 
 # Steps of packed words in the shared ring (cp.async), STAGES - 1 of them in flight; 0: the words straight into
-# registers, one step ahead (measured: runs 109-113). TINYPAGED_INT4_MMA_STAGES sets it, for side-by-side
-# measurements: the ring has not run on a GPU yet (benchmarks/NOTES.md, "INT4 in Gluon: the words through a
+# registers, one step ahead (measured: runs 109-114). TINYPAGED_INT4_MMA_STAGES sets it, for side-by-side
+# measurements: the ring measured slower (run 114; benchmarks/NOTES.md, "INT4 in Gluon: the words through a
 # shared ring").
 MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
 # INT8 through this kernel (TINYPAGED_INT8_MMA=1); off, INT8 takes kernels/lowbit.py's GEMV and tensor-core
-# kernel: this path has not run on a GPU yet.
+# kernel, which measured faster (run 114: batch 1 1.29x bf16 against this path's 1.09x).
 INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
