@@ -82,11 +82,29 @@ def test_cli_flags_are_the_engine_arguments() -> None:
         # 4 heads, 2 KV heads, MLP width 96: 3 divides neither the heads nor the KV heads.
         ({"tensor_parallel_size": 3}, r"does not divide its 4 attention heads and its 2 KV heads"),
         ({"tensor_parallel_size": 8}, "does not divide its 4 attention heads"),
+        # A value of the wrong type, refused by name (it failed later, in a comparison or in the engine).
+        ({"max_model_len": "swap"}, "max_model_len must be int or None; got 'swap'"),
+        ({"cpu_kv_cache_space": []}, r"cpu_kv_cache_space must be float; got \[\]"),
+        ({"max_num_batched_tokens": {"a": 1}}, "max_num_batched_tokens must be int"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be int; got True"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization must be float; got nan"),
+        ({"enable_chunked_prefill": 1}, "enable_chunked_prefill must be bool"),
+        ({"device": "int8"}, "device must be auto, cpu, cuda or cuda:N; got 'int8'"),
+        ({"device": "cpu:1"}, "device must be auto, cpu, cuda or cuda:N"),
+        ({"device": 2}, "device must be str; got 2"),
     ],
 )
 def test_bad_engine_arguments(model, kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_kwargs(model(), **kwargs)
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused(model) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match=f"device cuda:{count}: this machine has {count} CUDA device"):
+        EngineConfig.from_kwargs(model(), device=f"cuda:{count}")
 
 
 def test_missing_model_directory(tmp_path: Path) -> None:

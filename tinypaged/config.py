@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,43 @@ STALL_TIMEOUT_S = 300.0
 
 # vLLM's names: "fp8" is E4M3 (float8_e4m3fn). E5M2 (a 2-bit mantissa) is not run.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+# An engine argument's annotation -> the Python types its value may have (a bool is not an int here).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (numbers.Integral,),
+    "float": (numbers.Real,),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    """ConfigError unless `value` fits the field's annotation ("int", "float | None", "bool", "str", ...): a value
+    of the wrong type would otherwise fail later, in a comparison or deep in the engine."""
+    parts = [part.strip() for part in annotation.split("|")]
+    kinds = tuple(t for part in parts for t in _TYPES.get(part, ()))
+    if (value is None and "None" in parts) or not kinds:
+        return
+    ok = isinstance(value, kinds) and (bool not in kinds) == (not isinstance(value, bool))
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        ok = False
+    if not ok:
+        want = " or ".join(parts)
+        raise ConfigError(f"{name} must be {want}; got {value!r}")
+
+
+def _check_device(device: str) -> None:
+    """`device` is auto, cpu, cuda or cuda:N, and a CUDA device that this machine has."""
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if kind == "cuda":
+        import torch  # lazy: `tinypaged --help` imports this module
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) >= count:
+            raise ConfigError(f"device {device}: this machine has {count} CUDA device(s)")
 
 
 @dataclass(frozen=True)
@@ -145,6 +183,8 @@ class EngineConfig:
         for f in self.engine_args():
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
+            if f.name not in ("model", "speculative_config"):  # those two are checked as they are read
+                _check_type(f.name, str(f.type), value)
             if choices is not None and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
         limit = mcfg.max_position_embeddings
@@ -171,6 +211,7 @@ class EngineConfig:
         ):
             if not ok:
                 raise ConfigError(f"{name} must be {rule}, got {getattr(self, name)}")
+        _check_device(self.device)
         if self.kv_reservation != "paged":
             # The paper's Orca baselines share nothing: a reserved extent is one sequence's alone.
             object.__setattr__(self, "enable_prefix_caching", False)

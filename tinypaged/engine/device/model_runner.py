@@ -36,6 +36,7 @@ from tinypaged.core.scheduler import SchedulerOutput
 from tinypaged.engine.device.draft_weights import DraftWeights, load_draft, split_kv_budget
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
 from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
+from tinypaged.errors import ConfigError
 from tinypaged.model import AttentionMetadata, load_model
 from tinypaged.model.llama import Attention
 from tinypaged.model.parallel import TPGroup
@@ -214,11 +215,13 @@ class ModelRunner:
             self.stats.draft_kv_cache_bytes = self.num_draft_blocks * self.draft.block_bytes
         # Zeroed, not empty: the torch reference attention reads whole blocks (and padding) and masks afterwards,
         # and uninitialised memory can hold NaNs, which a zero attention weight does not cancel (0 * NaN = NaN).
-        self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True)
+        pool = "cpu_kv_cache_space" if self.device.type == "cpu" else "gpu_memory_utilization"
+        pool = "num_gpu_blocks_override" if config.num_gpu_blocks_override else pool
+        self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True, setting=pool)
         self.stats.kv_cache_bytes = self.num_gpu_blocks * self.block_bytes
         # torch.empty leaves host pages untouched until a block is swapped out, so unused swap space costs nothing.
         self.swap_cache = self._allocate(
-            self.num_cpu_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
+            self.num_cpu_blocks, torch.device("cpu"), pin=self.device.type == "cuda", setting="swap_space"
         )
         self.stats.kv_cache_s = time.perf_counter() - t0
         self.time_device = False
@@ -256,11 +259,22 @@ class ModelRunner:
         pin: bool = False,
         zero: bool = False,
         dtype: torch.dtype | None = None,
+        setting: str = "",
     ) -> torch.Tensor:
+        """A KV pool of `num_blocks`; one that cannot be allocated is a ConfigError naming the `setting` that
+        sized it (e.g. a num_gpu_blocks_override past the memory), not an allocator's message."""
         m = self.config.model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, m.head_dim)
         make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=dtype or self.kv_dtype, device=device, pin_memory=pin)
+        try:
+            return make(shape, dtype=dtype or self.kv_dtype, device=device, pin_memory=pin)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            size = torch.Size(shape).numel() * (dtype or self.kv_dtype).itemsize
+            raise ConfigError(
+                f"a KV cache of {num_blocks} blocks ({size / GiB:.1f} GiB) cannot be allocated on {device}"
+                + (f": lower {setting}" if setting else "")
+                + f" ({type(e).__name__})"
+            ) from e
 
     # ---- memory ------------------------------------------------------------------------------------------
 
