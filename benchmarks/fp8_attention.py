@@ -162,9 +162,8 @@ def timing(
                         graph_ms([run(s, c, None, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
                     )
                     row["gluon_default_splits"] = tk.attention_fp8.splits(batch, HKV, sets[0][-1], sets[0][0])
-                    for (
-                        n
-                    ) in gluon_splits:  # the Gluon kernel at a forced split count (its split rule's sweep)
+                    # the Gluon kernel at forced split counts (its split rule's sweep)
+                    for n in gluon_splits:
                         row[f"fp8 gluon/{n}_us"] = (
                             graph_ms([run(s, c, None, ks, vs, n) for s, c, ks, vs in fp8_sets]) * 1e3
                         )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tinypaged import LLM, RequestOutputKind, SamplingParams
-from tinypaged.config import ModelConfig
+from tinypaged.config import EngineConfig, ModelConfig
 from tinypaged.errors import ConfigError, RequestError
 from tinypaged.model import load_model
 from tinypaged.weights import fetch as fetch_module
@@ -42,6 +42,14 @@ def test_a_kv_cache_too_large_for_memory_is_one_clear_error(model_dir, kwargs: d
         ConfigError, match=rf"KV cache of \d+ blocks \(.* GiB\) cannot be allocated on cpu: lower {setting}"
     ):
         LLM(model=model_dir, max_model_len=64, **kwargs)
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_clear_error(model_dir) -> None:
+    """Asked where the engine starts, not when the config is built (a replica set's HTTP front has no GPU)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    EngineConfig(model=model_dir, device=f"cuda:{count}")  # spelt right: the config takes it
+    with pytest.raises(ConfigError, match=f"device cuda:{count}: this machine has {count} CUDA device"):
+        LLM(model=model_dir, max_model_len=64, device=f"cuda:{count}")
 
 
 def test_logits_match_gguf_oracle(model_dir, oracle_model, llm: LLM, run_paged) -> None:

@@ -49,10 +49,14 @@ GiB = 1 << 30
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' is CUDA when there is a GPU, else the CPU."""
+    """'auto' is CUDA when there is a GPU, else the CPU; a CUDA device this machine lacks is a ConfigError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ConfigError(f"device {name}: this machine has {count} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
