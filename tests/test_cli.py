@@ -196,3 +196,36 @@ def test_a_path_that_cannot_be_written_is_one_line(capsys, tmp_path: Path) -> No
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "a-file" in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "flags, gguf",
+    [
+        (["--device", "cpu"], True),
+        (["--device", "cpu", "--quantization", "GGUF"], True),
+        (["--device", "cuda", "--quantization", "gguf"], True),
+        (["--device", "cuda"], False),
+        (["--device", "cpu", "--quantization", "int4"], False),
+    ],
+)
+def test_serve_without_a_model_takes_the_default_gguf(monkeypatch, flags: list[str], gguf: bool) -> None:
+    """With no model, `serve` runs the default model's GGUF on the CPU, and wherever `--quantization gguf` (any
+    case, as vLLM reads it) asks for it; otherwise the default model's full-precision conversion."""
+    import tinypaged.cli as cli
+    import tinypaged.server.app as app
+    from tinypaged.weights.fetch import DEFAULT_MODEL_NAME, default_gguf_path
+
+    seen: dict = {}
+
+    class Recorded:  # the engine arguments recorded, not checked (the GPU a flag names need not be here)
+        engine_args = staticmethod(cli.EngineConfig.engine_args)
+
+        def __init__(self, **kwargs: object) -> None:
+            seen["engine"] = kwargs
+
+    args = cli.build_parser().parse_args(["serve", *flags])
+    monkeypatch.setattr(cli, "EngineConfig", Recorded)
+    monkeypatch.setattr(app, "serve", lambda factory, config: seen.setdefault("server", config) and 0)
+    assert cli._serve(args) == 0
+    assert (seen["engine"]["model"] == default_gguf_path()) is gguf
+    assert (seen["server"].served_model_name == DEFAULT_MODEL_NAME) is gguf

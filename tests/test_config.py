@@ -138,3 +138,96 @@ def test_a_damaged_config_json_is_one_clear_error(model, case: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         EngineConfig(model=model(**overrides))
     assert "\n" not in str(err.value)
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
+W4A16 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "ignore": ["lm_head"],
+    "config_groups": {
+        "g": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 32,
+                "symmetric": True,
+            },
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "checkpoint, asked, name",
+    [
+        (GPTQ, "gptq", "gptq"),
+        (GPTQ, "GPTQ_Marlin", "gptq"),
+        (AWQ, "awq_marlin", "awq"),
+        (AWQ, "AWQ", "awq"),
+        (W4A16, "compressed_tensors", "compressed-tensors"),
+        (W4A16 | {"quant_method": "compressed_tensors"}, "compressed-tensors", "compressed-tensors"),
+        (W4A16 | {"quant_method": "Compressed_Tensors"}, None, None),
+    ],
+)
+def test_vllm_names_of_a_checkpoint_s_own_format_run_it(model, checkpoint: dict, asked, name) -> None:
+    """vLLM users pass the checkpoint's format as `quantization` (any case; gptq_marlin / awq_marlin, vLLM's
+    kernels for GPTQ / AWQ; compressed_tensors): it names the format the checkpoint must have, and runs it."""
+    cfg = EngineConfig(model=model(quantization_config=checkpoint), quantization=asked)
+    assert cfg.quantization == name
+    from tinypaged.quantization import IntScheme, resolve_quantization
+
+    quant = resolve_quantization(checkpoint, cfg.quantization, "m", 2, True)
+    assert quant is not None and len(quant.layers) == 2 * 7
+    assert all(isinstance(s, IntScheme) and s.bits == 4 and s.group == 32 for s in quant.layers.values())
+
+
+@pytest.mark.parametrize(
+    "checkpoint, asked, message",
+    [
+        (
+            GPTQ,
+            "awq_marlin",
+            "quantization 'awq' was asked for, but the checkpoint is already quantized with 'gptq'",
+        ),
+        (W4A16, "gptq", "already quantized with 'compressed-tensors'"),
+        (
+            None,
+            "gptq_marlin",
+            "quantization 'gptq' runs a checkpoint quantized in that format, and this one has no",
+        ),
+        (
+            None,
+            "compressed-tensors",
+            r"has no quantization_config \(int4, int8 or fp8 quantize one at load\)",
+        ),
+        (
+            None,
+            "bitsandbytes",
+            "quantization must be one of fp8, int4, int8, gguf, compressed-tensors, gptq, awq",
+        ),
+        (None, 4, "quantization must be str or None; got 4"),
+    ],
+)
+def test_a_quantization_the_checkpoint_does_not_have_is_one_clear_error(
+    model, checkpoint, asked, message
+) -> None:
+    path = model(quantization_config=checkpoint) if checkpoint else model()
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(model=path, quantization=asked)
+
+
+def test_a_draft_s_quantization_is_checked_when_the_engine_is_configured(model) -> None:
+    """The draft's scheme is resolved with the target's, before any weight is read; its name as the target's."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 2}
+    cfg = EngineConfig(model=model(), speculative_config=spec | {"quantization": "INT4"})
+    assert cfg.speculative is not None and cfg.speculative.quantization == "int4"
+    with pytest.raises(ConfigError, match=r"speculative_config: .*quantization 'gptq' runs a checkpoint"):
+        EngineConfig(model=model(), speculative_config=spec | {"quantization": "gptq"})
+    with pytest.raises(ConfigError, match=r"speculative_config: .*already quantized with 'gptq'"):
+        EngineConfig(
+            model=model(quantization_config=GPTQ), speculative_config=spec | {"quantization": "int8"}
+        )

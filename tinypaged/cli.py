@@ -50,7 +50,12 @@ def _serve(args: argparse.Namespace) -> int:
     from tinypaged.weights.fetch import DEFAULT_MODEL_NAME, default_gguf_path
 
     kwargs = _engine_args(args)
-    default_gguf = kwargs["model"] is None and kwargs["quantization"] is None and _on_cpu(kwargs["device"])
+    quant = (
+        kwargs["quantization"].lower() if isinstance(kwargs["quantization"], str) else kwargs["quantization"]
+    )
+    default_gguf = kwargs["model"] is None and (
+        quant == "gguf" or (quant is None and _on_cpu(kwargs["device"]))
+    )
     if default_gguf:  # the default model as shipped, its Q4_1 GGUF kept quantized (docs/quantization.md)
         kwargs["model"] = default_gguf_path()
     engine_config = EngineConfig(**kwargs)

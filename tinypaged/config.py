@@ -14,7 +14,7 @@ from tinypaged.core.kv_cache_manager import KVCacheManager
 from tinypaged.core.reservation import KV_RESERVATIONS, make_kv_cache_manager
 from tinypaged.core.schedule_types import SchedulerConfig
 from tinypaged.errors import ConfigError
-from tinypaged.quantization import QUANTIZATIONS, resolve_quantization
+from tinypaged.quantization import QUANTIZATIONS, canonical_quantization, resolve_quantization
 from tinypaged.speculative import SpeculativeConfig
 
 
@@ -90,7 +90,8 @@ class EngineConfig:
         None,
         "quantize the linear layers' weights at load (fp8: E4M3 per output channel, activations per token; int4 / "
         "int8: weight-only, rounded to nearest in groups of 128 columns, int4 with zero points); default: as the "
-        "checkpoint's quantization_config says (docs/quantization.md)",
+        "checkpoint's quantization_config says; a format's name (compressed-tensors, gptq, awq, gguf; vLLM's "
+        "gptq_marlin, awq_marlin too) only checks that the checkpoint has it (docs/quantization.md)",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = _arg(
@@ -173,6 +174,8 @@ class EngineConfig:
         mcfg = ModelConfig.from_dir(model)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_config", mcfg)
+        if isinstance(self.quantization, str):  # vLLM's spellings: any case, its aliases of the formats
+            object.__setattr__(self, "quantization", canonical_quantization(self.quantization))
         for f in self.engine_args():
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -212,8 +215,18 @@ class EngineConfig:
         raw = self.speculative_config  # checked whole, then against this engine
         object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(raw) if raw is not None else None)
         if (spec := self.speculative) is not None:
-            draft = ModelConfig.from_dir(spec.model).vocab_size if spec.model is not None else None
-            spec.check_engine(self, QUANTIZATIONS, (mcfg.vocab_size, draft))
+            draft = ModelConfig.from_dir(spec.model) if spec.model is not None else None
+            spec.check_engine(self, QUANTIZATIONS, (mcfg.vocab_size, draft.vocab_size if draft else None))
+            dcfg = (
+                draft or mcfg
+            )  # the draft's schemes, checked as the target's are, before any weight is read
+            resolve_quantization(
+                dcfg.quantization_config,
+                spec.quantization,
+                f"speculative_config: {dcfg.path}",
+                dcfg.num_layers,
+                not dcfg.tie_word_embeddings,
+            )
         # Every layer's scheme is checked here, before any weight is read: one line for what cannot be run.
         resolve_quantization(
             mcfg.quantization_config,

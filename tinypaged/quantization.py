@@ -39,12 +39,12 @@ FUSED_GROUPS = (
     ("mlp.gate_proj", "mlp.up_proj"),
 )
 
-QUANTIZATIONS = (
-    "fp8",
-    "int4",
-    "int8",
-    "gguf",
-)  # the `quantization` engine argument's values (vLLM-like names)
+# The `quantization` engine argument's values (vLLM's names): fp8, int4 and int8 quantize a full-precision
+# checkpoint at load; FORMATS name an already quantized checkpoint's format, which it must then have;
+# ALIASES are vLLM's other names of those formats (its Marlin kernels', compressed-tensors' Python spelling).
+QUANTIZATIONS = ("fp8", "int4", "int8", "gguf", "compressed-tensors", "gptq", "awq")
+FORMATS = ("gguf", "compressed-tensors", "gptq", "awq")
+ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq", "awq_marlin": "awq"}
 _RUNS = (
     "tinypaged runs FP8 E4M3 weights with per-tensor, per-channel or block scales, and FP8 activations "
     "(dynamic per token, static per tensor, or none); and weight-only INT4 / INT8 in groups or per channel, "
@@ -96,6 +96,11 @@ ONLINE_INT = {
 }
 
 
+def canonical_quantization(name: str) -> str:
+    """A `quantization` (or a checkpoint's `quant_method`) lower-cased, as vLLM reads it, its alias resolved."""
+    return ALIASES.get(name.lower(), name.lower())
+
+
 @dataclass(frozen=True)
 class Quantization:
     """The scheme of every quantized linear layer, by its checkpoint module name (absent: unquantized)."""
@@ -121,20 +126,23 @@ def resolve_quantization(
     argument (None: as the checkpoint says); ConfigError naming the scheme and the first layer it cannot run.
     `where` names the checkpoint; the model has `num_layers` decoder layers and maybe an LM head of its own."""
     layer_names = linear_layers(num_layers, lm_head)
+    requested = canonical_quantization(requested) if isinstance(requested, str) else requested
     if requested is not None and requested not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {requested!r}")
     if raw is None:
         if requested is None:
             return None
-        if requested == "gguf":
+        if requested in FORMATS:
+            fix = "pass the .gguf file" if requested == "gguf" else "int4, int8 or fp8 quantize one at load"
             raise ConfigError(
-                f"{where}: quantization 'gguf' runs a GGUF file's blocks: pass the .gguf file as the model"
+                f"{where}: quantization {requested!r} runs a checkpoint quantized in that format, and this one "
+                f"has no quantization_config ({fix})"
             )
         online = ONLINE_INT.get(requested) or Fp8Scheme("channel", "token", online=True)
         return Quantization(requested, {n: online for n in layer_names if n != "lm_head"})
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: quantization_config must be an object, got {type(raw).__name__}")
-    method = str(raw.get("quant_method", "")).lower()
+    method = canonical_quantization(str(raw.get("quant_method", "")))
     if requested is not None and method != requested:
         raise ConfigError(
             f"{where}: quantization {requested!r} was asked for, but the checkpoint is already quantized with "

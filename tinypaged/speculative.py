@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tinypaged.errors import ConfigError
+from tinypaged.quantization import canonical_quantization
 
 METHODS = ("ngram", "draft_model", "oracle")
 MAX_SPECULATIVE_TOKENS = 16
@@ -122,7 +123,7 @@ class SpeculativeConfig:
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,
             model=Path(model) if model is not None else None,
-            quantization=quant,
+            quantization=canonical_quantization(quant) if isinstance(quant, str) else quant,
             disable_by_batch_size=disable,
             acceptance_rate=float(rates["acceptance_rate"]),
             oracle_acceptance_rate=rates.get("oracle_acceptance_rate"),

@@ -276,7 +276,7 @@ def test_gguf_scheme_resolution_refuses_in_one_line() -> None:
             1,
             False,
         )
-    with pytest.raises(ConfigError, match="pass the .gguf file as the model"):
+    with pytest.raises(ConfigError, match=r"no quantization_config \(pass the .gguf file\)"):
         resolve_quantization(None, "gguf", "m", 1, False)
     for kind, (bits, group, mins) in GGUF_TYPES.items():  # the resolver's table is the repacking's
         w = repack("w", kind, _blocks(kind, 4, 256, np.random.default_rng(4)), 4, 256)
