@@ -100,6 +100,11 @@ class EngineConfig:
         "keys and one for values, from the checkpoint or calibrated at startup (docs/quantization.md)",
         choices=KV_CACHE_DTYPES,
     )
+    calculate_kv_scales: bool | None = _arg(
+        None,
+        "an FP8 KV cache's scales (vLLM's flag): on, calibrated at startup even where the checkpoint has k_scale / "
+        "v_scale; off, the checkpoint's, else 1.0 (vLLM's default); unset, the checkpoint's, else calibrated",
+    )
     seed: int = _arg(0, "seed of the random draws of requests without a seed of their own")
     block_size: int = _arg(16, "tokens per KV cache block", choices=(1, 2, 4, 8, 16, 32, 64, 128))
     gpu_memory_utilization: float = _arg(

@@ -51,16 +51,21 @@ def _scales(values: list[tuple[float, float]], shape: tuple[int, ...] = (1,)) ->
     return out
 
 
-def _runner(path: Path, kv_cache_dtype: str) -> ModelRunner:
+def _runner(path: Path, kv_cache_dtype: str, calculate_kv_scales: bool | None = None) -> ModelRunner:
     return ModelRunner(
         EngineConfig(
             model=path,
             kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
             max_model_len=64,
             swap_space=0.01,
             cpu_kv_cache_space=0.01,
         )
     )
+
+
+def _layer_scales(runner: ModelRunner) -> list[tuple[float, float]]:
+    return [(a.k_scale, a.v_scale) for a in (layer.self_attn for layer in runner.model.layers)]
 
 
 def test_checkpoint_scales_reach_the_attention_layers(tmp_path: Path) -> None:
@@ -109,3 +114,16 @@ def test_without_scales_they_are_calibrated(tmp_path: Path, model_dir: Path) -> 
     assert runner.stats.kv_scales == "calibrated"
     scales = [s for layer in runner.model.layers for s in (layer.self_attn.k_scale, layer.self_attn.v_scale)]
     assert all(0 < s < 1 and math.log2(s).is_integer() for s in scales), scales
+
+
+def test_vllm_s_calculate_kv_scales(tmp_path: Path) -> None:
+    """On: calibrated over the checkpoint's scales; off: the checkpoint's, else vLLM's default 1.0."""
+    with_scales = _checkpoint(tmp_path / "a", _scales(SCALES), FP8_KV)
+    on = _runner(with_scales, "fp8", True)
+    assert on.stats.kv_scales == "calibrated"
+    assert all(math.log2(s).is_integer() for pair in _layer_scales(on) for s in pair)
+    off = _runner(with_scales, "fp8", False)
+    assert off.stats.kv_scales == "checkpoint"
+    assert _layer_scales(off) == [(torch.tensor(k).item(), torch.tensor(v).item()) for k, v in SCALES]
+    bare = _runner(_checkpoint(tmp_path / "b", None, None), "fp8", False)
+    assert bare.stats.kv_scales == "1.0" and _layer_scales(bare) == [(1.0, 1.0)] * 2

@@ -113,13 +113,18 @@ def set_kv_scales(
     prefill: Callable[[list[list[int]]], torch.Tensor],
 ) -> str:
     """Give every attention layer its `k_scale` and `v_scale` for a cache of `kv_dtype` and say where they came
-    from: the checkpoint's, or calibrated (`prefill(prompts)` returns a scratch cache in the model's dtype that
-    holds their keys and values). Only an FP8 cache has scales; any other keeps 1.0, which nothing reads."""
+    from: the checkpoint's, calibrated (`prefill(prompts)` returns a scratch cache in the model's dtype that
+    holds their keys and values), or 1.0. `config.calculate_kv_scales` (vLLM's flag): True calibrates even over
+    the checkpoint's; False takes the checkpoint's, else 1.0 (vLLM's default); None the checkpoint's, else
+    calibrates. Only an FP8 cache has scales; any other keeps 1.0, which nothing reads."""
     if kv_dtype != FP8_DTYPE:
         return "none"
-    scales = kv_cache_scales(config.model_config)
+    calculate = config.calculate_kv_scales
+    scales = None if calculate else kv_cache_scales(config.model_config)
     source = "checkpoint"
-    if scales is None:
+    if scales is None and calculate is False:
+        scales, source = [(1.0, 1.0)] * len(model.layers), "1.0"
+    elif scales is None:
         scales = calibrated_scales(prefill(calibration_prompts(config)), tp)
         source = "calibrated"
     for layer, (k_scale, v_scale) in zip(model.layers, scales, strict=True):
