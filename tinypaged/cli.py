@@ -115,8 +115,10 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     with LLM(**_engine_args(args)) as llm:
         prompt = args.prompt
-        if args.chat:
-            prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+        if args.chat:  # the template writes the special tokens (a BOS among them): none added again
+            tok = llm.get_tokenizer()
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
         out = llm.generate([prompt], params)[0]
     if out.error:
         raise ValueError(out.error)

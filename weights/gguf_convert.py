@@ -187,7 +187,7 @@ def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(meta),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": dtype,
         **family,
@@ -361,6 +361,14 @@ def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str,
     if "tokenizer.chat_template" in meta:
         result["chat_template"] = meta["tokenizer.chat_template"]
     return result
+
+
+def _eos_ids(meta: dict[str, Any]) -> int | list[int] | None:
+    """The ids that end a generation: the GGUF's EOS, and its end-of-turn and end-of-message tokens where it
+    names them (Llama 3.1's `<|eot_id|>` and `<|eom_id|>`, as its own config.json lists them beside EOS)."""
+    found = [meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    ids = list(dict.fromkeys(i for i in found if isinstance(i, int) and not isinstance(i, bool)))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,14 @@ from .errors import WeightsError
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 _SPACE = "\u2581"  # SentencePiece's "▁"
+# llama.cpp's "llama-bpe" pre-tokenizer (Llama 3's tokenizer: its `pat_str`, also named "llama3" / "llama-v3"):
+# letters with one leading non-letter, numbers in runs of up to three digits, punctuation runs with their
+# newlines, whitespace runs; English contractions case-insensitively.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")
 # llama.cpp's "qwen2" pre-tokenizer (Qwen2's and Qwen3's tokenizer.json): digits one by one, letters with one
 # leading non-letter, punctuation runs with their newlines, whitespace runs.
 _QWEN2_SPLIT = (
@@ -82,7 +90,7 @@ def _byte_level(meta: dict[str, Any]) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     pre = meta.get("tokenizer.ggml.pre")
-    if pre not in ("smollm", "gpt2", "qwen2"):
+    if pre not in ("smollm", "gpt2", "qwen2", *_LLAMA3_NAMES):
         raise WeightsError(f"unsupported GGUF pre-tokenizer {pre!r}")
     tokens, _ = _tokens(meta)
     if "tokenizer.ggml.merges" not in meta:
@@ -98,24 +106,45 @@ def _byte_level(meta: dict[str, Any]) -> Any:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    elif pre == "qwen2":
-        tokenizer.normalizer = normalizers.NFC()
+    elif pre == "qwen2" or pre in _LLAMA3_NAMES:  # a split by its regex, then bytes to their characters
+        if pre == "qwen2":
+            tokenizer.normalizer = normalizers.NFC()
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(
+                    Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT),
+                    behavior="isolated",
+                    invert=False,
+                ),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    bos = _bos(meta, tokens)
+    tokenizer.post_processor = processors.Sequence(
+        [processors.ByteLevel(trim_offsets=False)] + ([bos] if bos is not None else [])
+    )
     return tokenizer
+
+
+def _bos(meta: dict[str, Any], tokens: list[str]) -> Any:
+    """The post-processor that puts BOS first where the GGUF asks for it (`add_bos_token`), else None."""
+    from tokenizers import processors
+
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if not meta.get("tokenizer.ggml.add_bos_token") or bos_id is None:
+        return None
+    bos = tokens[bos_id]
+    return processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
 
 
 def _sentencepiece(meta: dict[str, Any]) -> Any:
     """A SentencePiece vocabulary (pieces, scores) as BPE with byte fallback."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     tokens, _ = _tokens(meta)
     scores: list[float] = list(meta.get("tokenizer.ggml.scores") or [])
@@ -139,12 +168,9 @@ def _sentencepiece(meta: dict[str, Any]) -> Any:
         [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(_SPACE, 1, 0)] if prefix else [])
     )
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
+    bos = _bos(meta, tokens)
+    if bos is not None:
+        tok.post_processor = bos
     return tok
 
 
