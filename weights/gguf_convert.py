@@ -6,14 +6,16 @@ The output is what the engine's loader reads: `config.json`, `model.safetensors`
 losslessly into the INT4 / INT8 layout (`gguf_quant.py`: `qweight`, `scales` and, for `q * d + m` types,
 `mins`), and config.json says which type each layer has (`quantization_config`, `quant_method: gguf`); what
 `LLM(model="x.gguf")` loads (`fetch.resolve_model`). The embedding, the LM head and the norms are dequantized
-either way. Architectures "llama" (Llama, Mistral), "qwen2", "qwen3" and "gemma3" (its text
-model); the vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`. Anything else ends
+either way. Architectures "llama" (Llama, Mistral; Llama 3.1's RoPE scaling, which llama.cpp stores as a
+`rope_freqs` tensor, back as config.json's `rope_scaling`), "qwen2", "qwen3" and "gemma3" (its text model); the
+vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`. Anything else ends
 with a `WeightsError` rather than a wrong model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,49 @@ def convert_gguf(
     write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
     write_json(out_dir / "generation_config.json", _generation_config(config))
     write_json(out_dir / "config.json", config)
+
+
+def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.1's RoPE scaling (config.json's `rope_type: llama3`) from a GGUF's `rope_freqs` tensor, which holds
+    what llama.cpp divides each rotary frequency by: 1 for short wavelengths, `factor` for long ones, and between
+    them `1 / ((1 - s) / factor + s)` with s falling linearly in 1 / wavelength. The band gives s's line (two
+    points at least); it is written with low_freq_factor 1 (every such line has that form), and the factors it
+    gives back are checked against the file's: a tensor that is not this scaling is refused."""
+    dim, theta = int(config["head_dim"]), float(config["rope_theta"])
+    f = factors.astype(np.float64).ravel()
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if f.shape != wavelen.shape or not np.all(np.isfinite(f)) or f.min() < 1.0 - 1e-6:
+        raise WeightsError(f"rope_freqs.weight {list(factors.shape)} is not {dim // 2} factors of at least 1")
+    factor = float(f.max())
+    s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor) if factor > 1.0 else np.ones_like(f)
+    band = (s > 1e-4) & (s < 1.0 - 1e-4)
+    if band.sum() < 2:
+        raise WeightsError(
+            f"rope_freqs.weight interpolates {int(band.sum())} of its {f.size} frequencies: Llama 3's scaling "
+            "cannot be recovered from fewer than two"
+        )
+    slope, intercept = np.polyfit(1.0 / wavelen[band], s[band], 1)  # s = old / (high - low) / wavelen - ...
+    high, old = 1.0 - 1.0 / intercept, -slope / intercept  # ... low / (high - low), with low = 1
+    if not (intercept < 0 and high > 1 and old > 0):
+        raise WeightsError(
+            "rope_freqs.weight is not Llama 3's frequency scaling (its band rises with wavelength)"
+        )
+    # The fit of float32 factors, rounded as config.json writes such values, where the rounding gives the same.
+    for digits in (2, 4, None):
+        h, o = (round(high, digits), round(old, digits)) if digits is not None else (high, old)
+        smooth = np.clip((o / wavelen - 1.0) / (h - 1.0), 0.0, 1.0)
+        if np.abs(1.0 / ((1.0 - smooth) / factor + smooth) / f - 1.0).max() <= 1e-5:
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": h,
+                "original_max_position_embeddings": int(o) if float(o).is_integer() else o,
+            }
+    raise WeightsError(
+        f"rope_freqs.weight is not Llama 3's frequency scaling (closest: factor {factor}, high_freq_factor "
+        f"{high:.6g}, original_max_position_embeddings {old:.6g}, low_freq_factor 1)"
+    )
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -219,6 +264,9 @@ def _hf_tensors(
     kinds: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight" and config["model_type"] == "llama":
+            config["rope_scaling"] = llama3_rope_scaling(np.asarray(tensor.data), config)
+            continue
         name = _hf_name(tensor.name, config["model_type"])
         if name is None:
             # e.g. rope_freqs.weight (Llama 3 rope scaling): silently dropping it would change the model.

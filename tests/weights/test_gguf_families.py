@@ -5,8 +5,10 @@ GGUF of an architecture the engine does not run refused in one line."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,6 +105,16 @@ _GGUF_NAMES = {
 }
 
 
+def _gguf_name(name: str) -> str:
+    """llama.cpp's name of an HF tensor."""
+    if name.startswith("model.layers."):
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    return names.get(name, "output.weight")
+
+
 def _write_qwen_gguf(path: Path, family: str, default_gguf: Path) -> None:
     """A tiny random Qwen2 or Qwen3 as llama.cpp writes one (f32), with the default model's vocabulary under
     Qwen's pre-tokenizer."""
@@ -147,18 +159,10 @@ def _write_qwen_gguf(path: Path, family: str, default_gguf: Path) -> None:
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     for name, p in model.state_dict().items():
         if name.startswith("model.layers."):
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, kind = rest.rsplit(".", 1)
+            module, kind = name.removeprefix("model.layers.").split(".", 1)[1].rsplit(".", 1)
             if "norm" in module or module.endswith("proj") and kind == "bias":
                 p = p.uniform_(0.5, 1.5) if "norm" in module else p.normal_(0, 0.5)
-            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
-        else:
-            gname = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-            }
-            gname = gname.get(name, "output.weight")
-        w.add_tensor(gname, p.detach().float().numpy())
+        w.add_tensor(_gguf_name(name), p.detach().float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -185,3 +189,99 @@ def test_qwen_gguf_matches_hf_reading_it(tmp_path: Path, family: str, gguf_path:
     with torch.no_grad():
         want = hf.eval()(torch.tensor([prompt])).logits[0]
     assert (logits.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
+
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 8.0,  # not Llama 3.1's own 4: any line of the band is recovered
+    "original_max_position_embeddings": 64,
+}
+
+
+def _llama_cpp_rope_freqs(head_dim: int, theta: float, s: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs.weight` for a Llama 3.1 config.json's rope_scaling:
+    each rotary frequency's divisor, restated here from its Python converter."""
+    factor, low, high = (s[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = s["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama31_rope_freqs_compute_as_hf_llama3_scaling(tmp_path: Path, gguf_path: Path, run_paged) -> None:
+    """Llama 3.1 and 3.2 GGUFs carry their RoPE scaling as a `rope_freqs` tensor: our conversion recovers
+    config.json's llama3 scaling from it and computes as HF transformers with that scaling does, over 300
+    positions (the original context 64)."""
+    from test_gguf_convert import _llama_cpp_permute
+
+    from tinypaged.weights.gguf_convert import _metadata
+
+    meta = _metadata(gguf.GGUFReader(gguf_path))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+        rope_scaling=dict(LLAMA3_SCALING), rms_norm_eps=1e-6, tie_word_embeddings=False,  # (it adds to it)
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path / "llama31.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [
+        (w.add_context_length, 512), (w.add_embedding_length, 128), (w.add_block_count, 2),
+        (w.add_feed_forward_length, 96), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+        (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0), (w.add_rope_dimension_count, 32),
+        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "smollm"),
+        (w.add_token_list, meta["tokenizer.ggml.tokens"]), (w.add_token_types, meta["tokenizer.ggml.token_type"]),
+        (w.add_token_merges, meta["tokenizer.ggml.merges"]),
+    ]:  # fmt: skip
+        add(value)
+    heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 2}
+    for name, p in hf.state_dict().items():
+        array = p.detach().float().numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if "norm" in module:
+                array = np.random.default_rng(int(layer)).uniform(0.5, 1.5, array.shape).astype(np.float32)
+                p.data.copy_(torch.from_numpy(array))
+            if module in heads:
+                array = _llama_cpp_permute(array, heads[module])
+        w.add_tensor(_gguf_name(name), array)
+    w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(32, 10000.0, LLAMA3_SCALING))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    convert_gguf(path, tmp_path / "out")
+    got = ModelConfig.from_dir(tmp_path / "out")
+    assert {k: got.rope_scaling[k] for k in LLAMA3_SCALING} == LLAMA3_SCALING
+    ours = load_model(got, torch.float32, torch.device("cpu"), 512)
+    prompt = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    (logits,) = run_paged(ours, [prompt], 8, [[]])
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert (logits.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
+
+
+def test_a_rope_freqs_tensor_that_is_not_llama3_scaling_is_refused() -> None:
+    from tinypaged.weights.gguf_convert import llama3_rope_scaling
+
+    config = {"head_dim": 32, "rope_theta": 10000.0}
+    freqs = _llama_cpp_rope_freqs(32, 10000.0, LLAMA3_SCALING)
+    assert llama3_rope_scaling(freqs, config)["high_freq_factor"] == 8.0
+    bent = freqs.copy()
+    bent[2] *= 1.01  # off the band's line
+    with pytest.raises(WeightsError, match="rope_freqs.weight is not Llama 3's frequency scaling"):
+        llama3_rope_scaling(bent, config)
+    with pytest.raises(WeightsError, match=r"rope_freqs.weight \[8\] is not 16 factors of at least 1"):
+        llama3_rope_scaling(freqs[:8], config)
