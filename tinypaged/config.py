@@ -222,9 +222,8 @@ class EngineConfig:
         if (spec := self.speculative) is not None:
             draft = ModelConfig.from_dir(spec.model) if spec.model is not None else None
             spec.check_engine(self, QUANTIZATIONS, (mcfg.vocab_size, draft.vocab_size if draft else None))
-            dcfg = (
-                draft or mcfg
-            )  # the draft's schemes, checked as the target's are, before any weight is read
+            # The draft's schemes, checked as the target's are, before any weight is read.
+            dcfg = draft or mcfg
             resolve_quantization(
                 dcfg.quantization_config,
                 spec.quantization,

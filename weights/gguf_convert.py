@@ -93,19 +93,21 @@ def convert_gguf(
     write_json(out_dir / "config.json", config)
 
 
-def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any] | None:
     """Llama 3.1's RoPE scaling (config.json's `rope_type: llama3`) from a GGUF's `rope_freqs` tensor, which holds
     what llama.cpp divides each rotary frequency by: 1 for short wavelengths, `factor` for long ones, and between
     them `1 / ((1 - s) / factor + s)` with s falling linearly in 1 / wavelength. The band gives s's line (two
     points at least); it is written with low_freq_factor 1 (every such line has that form), and the factors it
-    gives back are checked against the file's: a tensor that is not this scaling is refused."""
+    gives back are checked against the file's: a tensor that is not this scaling is refused. All ones: None."""
     dim, theta = int(config["head_dim"]), float(config["rope_theta"])
     f = factors.astype(np.float64).ravel()
     wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     if f.shape != wavelen.shape or not np.all(np.isfinite(f)) or f.min() < 1.0 - 1e-6:
         raise WeightsError(f"rope_freqs.weight {list(factors.shape)} is not {dim // 2} factors of at least 1")
     factor = float(f.max())
-    s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor) if factor > 1.0 else np.ones_like(f)
+    if factor <= 1.0 + 1e-6:
+        return None  # every frequency as it is: no scaling
+    s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor)
     band = (s > 1e-4) & (s < 1.0 - 1e-4)
     if band.sum() < 2:
         raise WeightsError(

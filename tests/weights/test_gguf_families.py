@@ -279,6 +279,7 @@ def test_a_rope_freqs_tensor_that_is_not_llama3_scaling_is_refused() -> None:
     config = {"head_dim": 32, "rope_theta": 10000.0}
     freqs = _llama_cpp_rope_freqs(32, 10000.0, LLAMA3_SCALING)
     assert llama3_rope_scaling(freqs, config)["high_freq_factor"] == 8.0
+    assert llama3_rope_scaling(np.ones(16, np.float32), config) is None
     bent = freqs.copy()
     bent[2] *= 1.01  # off the band's line
     with pytest.raises(WeightsError, match="rope_freqs.weight is not Llama 3's frequency scaling"):

@@ -125,9 +125,7 @@ class RunnerStats:
     draft_weights_bytes: int = 0  # a draft model's (speculative decoding), in the same budget
     draft_kv_cache_bytes: int = 0
     kv_cache_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
-    kv_scales: str = (
-        ""  # where an FP8 cache's scales came from: checkpoint, calibrated, 1.0 (none: no FP8 cache)
-    )
+    kv_scales: str = ""  # an FP8 cache's scales: checkpoint, calibrated or 1.0 (none: no FP8 cache)
     kv_cache_s: float = 0.0  # sizing (the profiling pass, which compiles the prefill kernels) and allocation
     graph_capture_s: float = 0.0
     graph_pool_bytes: int = 0
