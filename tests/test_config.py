@@ -92,6 +92,11 @@ def test_cli_flags_are_the_engine_arguments() -> None:
         ({"device": "int8"}, "device must be auto, cpu, cuda or cuda:N; got 'int8'"),
         ({"device": "cpu:1"}, "device must be auto, cpu, cuda or cuda:N"),
         ({"device": 2}, "device must be str; got 2"),
+        (
+            {"tokenizer": "/no/such/dir"},
+            "tokenizer must be a directory holding tokenizer.json; got '/no/such/dir'",
+        ),
+        ({"tokenizer": 5}, "tokenizer must be a directory holding tokenizer.json; got 5"),
     ],
 )
 def test_bad_engine_arguments(model, kwargs: dict, message: str) -> None:

@@ -80,6 +80,12 @@ class EngineConfig:
     model: str | Path | None = _arg(
         None, "model directory (HF layout, safetensors); default: the default model, fetched if missing"
     )
+    tokenizer: str | Path | None = _arg(
+        None,
+        "a directory with the tokenizer to use instead of the model's (tokenizer.json; tokenizer_config.json for "
+        "its chat template and special tokens), as vLLM's --tokenizer, e.g. the base model's beside a GGUF file, "
+        "whose own vocabulary is then not converted; default: the model's",
+    )
     dtype: str = _arg(
         "auto",
         "weights and activations: auto is float32 on the CPU, the checkpoint's half type on a GPU",
@@ -175,7 +181,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from tinypaged.weights.fetch import resolve_model  # lazy: `tinypaged --help` imports this module
 
-        model = resolve_model(self.model)
+        if self.tokenizer is not None:  # checked first: with it, a GGUF's own vocabulary is not converted
+            if (
+                not isinstance(self.tokenizer, str | Path)
+                or not (Path(self.tokenizer) / "tokenizer.json").is_file()
+            ):
+                raise ConfigError(
+                    f"tokenizer must be a directory holding tokenizer.json; got {self.tokenizer!r}"
+                )
+            object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        model = resolve_model(self.model, vocabulary=self.tokenizer is None)
         mcfg = ModelConfig.from_dir(model)
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "model_config", mcfg)
@@ -184,7 +199,7 @@ class EngineConfig:
         for f in self.engine_args():
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if f.name not in ("model", "speculative_config"):  # those two are checked as they are read
+            if f.name not in ("model", "tokenizer", "speculative_config"):  # checked as they are read
                 _check_type(f.name, str(f.type), value)
             if choices is not None and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
@@ -239,6 +254,11 @@ class EngineConfig:
             mcfg.num_layers,
             not mcfg.tie_word_embeddings,
         )
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """The directory the tokenizer is read from: `tokenizer`, else the model's."""
+        return Path(self.tokenizer if self.tokenizer is not None else self.model_config.path)
 
     def _check_tensor_parallel(self, m: ModelConfig) -> None:
         """The model must split evenly: query heads and the MLP's columns over the ranks, KV heads too or

@@ -71,12 +71,13 @@ def default_model_dir() -> Path:
     return tinypaged_home() / "models" / DEFAULT_MODEL_NAME
 
 
-def resolve_model(model: str | Path | None) -> Path:
+def resolve_model(model: str | Path | None, vocabulary: bool = True) -> Path:
     """The model directory to load: `model` as given (a `.gguf` file: its kept-quantized conversion, as vLLM
-    loads a GGUF file directly), or else the default model, fetched if not complete."""
+    loads a GGUF file directly; without `vocabulary`, its vocabulary need not convert), or else the default
+    model, fetched if not complete."""
     if model is not None:
         if Path(model).suffix == ".gguf" and Path(model).is_file():
-            return gguf_model_dir(Path(model))
+            return gguf_model_dir(Path(model), vocabulary)
         return Path(model)  # a missing directory is the loader's error to report, never a download
     out_dir = default_model_dir()
     if not is_complete(out_dir):
@@ -102,20 +103,27 @@ def fetch_default_model(
     return out_dir
 
 
-def gguf_model_dir(gguf_path: Path) -> Path:
+def gguf_model_dir(gguf_path: Path, vocabulary: bool = True) -> Path:
     """The model directory of a GGUF file, its linear layers kept in their blocks: converted once into
-    `<home>/models/gguf/<name>-<key>` (the key: the file's path, size and modification time)."""
+    `<home>/models/gguf/<name>-<key>` (the key: the file's path, size and modification time). Without
+    `vocabulary` (the engine has a tokenizer of its own, as vLLM's `--tokenizer` for a GGUF), that directory
+    if it is there, else one converted without the vocabulary, `<name>-<key>-weights`."""
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out_dir = tinypaged_home() / "models" / "gguf" / f"{gguf_path.stem}-{key}"
+    if not vocabulary and not is_complete(out_dir):
+        out_dir = out_dir.with_name(f"{out_dir.name}-weights")
     if not is_complete(out_dir):
         log.info("converting %s into %s (linear layers kept quantized)", gguf_path, out_dir)
-        _convert_into(gguf_path, out_dir, {"gguf": str(gguf_path), "size": stat.st_size}, keep_quantized=True)
+        provenance = {"gguf": str(gguf_path), "size": stat.st_size}
+        _convert_into(gguf_path, out_dir, provenance, keep_quantized=True, vocabulary=vocabulary)
     return out_dir
 
 
-def _convert_into(gguf_path: Path, out_dir: Path, provenance: dict, keep_quantized: bool) -> None:
+def _convert_into(
+    gguf_path: Path, out_dir: Path, provenance: dict, keep_quantized: bool, vocabulary: bool = True
+) -> None:
     """Convert beside `out_dir` and rename into place, the marker written last: never a half-written model."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Not mkdtemp: its mode 0700 would stick to the published directory.
@@ -123,7 +131,7 @@ def _convert_into(gguf_path: Path, out_dir: Path, provenance: dict, keep_quantiz
     try:
         tmp.mkdir()
         if keep_quantized:
-            convert_gguf(gguf_path, tmp, keep_quantized=True)
+            convert_gguf(gguf_path, tmp, keep_quantized=True, vocabulary=vocabulary)
         else:
             convert_gguf(gguf_path, tmp)
         (tmp / MARKER).write_text(json.dumps(provenance) + "\n")

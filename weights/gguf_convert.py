@@ -66,10 +66,15 @@ _GLOBAL_TENSORS = {
 
 
 def convert_gguf(
-    gguf_path: Path, out_dir: Path, dtype: str = "float32", keep_quantized: bool = False
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: str = "float32",
+    keep_quantized: bool = False,
+    vocabulary: bool = True,
 ) -> None:
     """Write the Hugging Face-style directory for the GGUF at `gguf_path` into `out_dir` (the linear layers
-    dequantized to `dtype`, or kept in their blocks)."""
+    dequantized to `dtype`, or kept in their blocks); without `vocabulary`, no tokenizer files (the engine is
+    given a tokenizer of its own: its `tokenizer` argument)."""
     if dtype not in _DTYPES:
         raise WeightsError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
     reader = _open(Path(gguf_path))
@@ -79,16 +84,17 @@ def convert_gguf(
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     if kinds:
         config["quantization_config"] = {"quant_method": "gguf", "layers": kinds}
-    try:
-        tokenizer = build_tokenizer(meta)  # everything is checked before the first file is written
+    try:  # everything is checked before the first file is written
+        tokenizer = build_tokenizer(meta) if vocabulary else None
     except WeightsError as e:
         raise WeightsError(f"{gguf_path}: {e}") from e
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_safetensors(tensors, out_dir / "model.safetensors", dtype)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
+    if tokenizer is not None:
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+        write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
     write_json(out_dir / "generation_config.json", _generation_config(config))
     write_json(out_dir / "config.json", config)
 

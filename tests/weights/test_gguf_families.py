@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinypaged.config import ModelConfig
+from tinypaged.config import ConfigError, ModelConfig
 from tinypaged.model import load_model
 from tinypaged.tokenizer import Tokenizer
 from tinypaged.weights import WeightsError, convert_gguf
@@ -218,10 +218,10 @@ def _llama_cpp_rope_freqs(head_dim: int, theta: float, s: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def test_llama31_rope_freqs_compute_as_hf_llama3_scaling(tmp_path: Path, gguf_path: Path, run_paged) -> None:
-    """Llama 3.1 and 3.2 GGUFs carry their RoPE scaling as a `rope_freqs` tensor: our conversion recovers
-    config.json's llama3 scaling from it and computes as HF transformers with that scaling does, over 300
-    positions (the original context 64)."""
+def _write_llama_gguf(path: Path, gguf_path: Path, pre: str, rope_scaling: dict | None) -> torch.nn.Module:
+    """A tiny random Llama with the default model's vocabulary (under the pre-tokenizer `pre`), written as
+    llama.cpp writes one (q/k rows permuted; a `rope_freqs` tensor for Llama 3.1's `rope_scaling`); returns
+    the HF model it was written from."""
     from test_gguf_convert import _llama_cpp_permute
 
     from tinypaged.weights.gguf_convert import _metadata
@@ -231,18 +231,18 @@ def test_llama31_rope_freqs_compute_as_hf_llama3_scaling(tmp_path: Path, gguf_pa
     cfg = transformers.LlamaConfig(
         vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=128, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
-        rope_scaling=dict(LLAMA3_SCALING), rms_norm_eps=1e-6, tie_word_embeddings=False,  # (it adds to it)
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,  # (a copy: it adds to it)
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
     )  # fmt: skip
     hf = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path / "llama31.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for add, value in [
         (w.add_context_length, 512), (w.add_embedding_length, 128), (w.add_block_count, 2),
         (w.add_feed_forward_length, 96), (w.add_head_count, 4), (w.add_head_count_kv, 2),
         (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0), (w.add_rope_dimension_count, 32),
-        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "smollm"),
+        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, pre),
         (w.add_token_list, meta["tokenizer.ggml.tokens"]), (w.add_token_types, meta["tokenizer.ggml.token_type"]),
-        (w.add_token_merges, meta["tokenizer.ggml.merges"]),
+        (w.add_token_merges, meta["tokenizer.ggml.merges"]), (w.add_eos_token_id, meta["tokenizer.ggml.eos_token_id"]),
     ]:  # fmt: skip
         add(value)
     heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 2}
@@ -257,11 +257,21 @@ def test_llama31_rope_freqs_compute_as_hf_llama3_scaling(tmp_path: Path, gguf_pa
             if module in heads:
                 array = _llama_cpp_permute(array, heads[module])
         w.add_tensor(_gguf_name(name), array)
-    w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(32, 10000.0, LLAMA3_SCALING))
+    if rope_scaling:
+        w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(32, 10000.0, rope_scaling))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return hf
+
+
+def test_llama31_rope_freqs_compute_as_hf_llama3_scaling(tmp_path: Path, gguf_path: Path, run_paged) -> None:
+    """Llama 3.1 and 3.2 GGUFs carry their RoPE scaling as a `rope_freqs` tensor: our conversion recovers
+    config.json's llama3 scaling from it and computes as HF transformers with that scaling does, over 300
+    positions (the original context 64)."""
+    path = tmp_path / "llama31.gguf"
+    hf = _write_llama_gguf(path, gguf_path, "smollm", LLAMA3_SCALING)
     convert_gguf(path, tmp_path / "out")
     got = ModelConfig.from_dir(tmp_path / "out")
     assert {k: got.rope_scaling[k] for k in LLAMA3_SCALING} == LLAMA3_SCALING
@@ -286,3 +296,31 @@ def test_a_rope_freqs_tensor_that_is_not_llama3_scaling_is_refused() -> None:
         llama3_rope_scaling(bent, config)
     with pytest.raises(WeightsError, match=r"rope_freqs.weight \[8\] is not 16 factors of at least 1"):
         llama3_rope_scaling(freqs[:8], config)
+
+
+def test_a_gguf_whose_vocabulary_does_not_convert_runs_with_a_tokenizer_given(
+    tmp_path: Path, gguf_path: Path, model_dir: Path, monkeypatch
+) -> None:
+    """As vLLM's `--tokenizer` for a GGUF: a file whose vocabulary is not converted (here a pre-tokenizer the
+    converter does not run) is refused on its own, and runs with the base model's tokenizer given, its weights
+    converted without the vocabulary; a tokenizer larger than the model's vocabulary is refused."""
+    from tinypaged import LLM, SamplingParams
+
+    monkeypatch.setenv("TINYPAGED_HOME", str(tmp_path / "home"))
+    path = tmp_path / "nemo-like.gguf"
+    _write_llama_gguf(path, gguf_path, "tekken", None)
+    with pytest.raises(WeightsError, match="unsupported GGUF pre-tokenizer 'tekken'"):
+        LLM(model=str(path), max_model_len=64)
+    with LLM(model=str(path), tokenizer=model_dir, max_model_len=64) as llm:
+        assert llm.config.model.name.endswith("-weights")
+        assert not (llm.config.model / "tokenizer.json").exists()
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.prompt_token_ids == Tokenizer(model_dir).encode("The capital of France is")
+    assert out.outputs[0].text == Tokenizer(model_dir).decode(out.outputs[0].token_ids)
+    bigger = tmp_path / "bigger"
+    bigger.mkdir()
+    tok = Tokenizer(model_dir)._tok
+    tok.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tok.save(str(bigger / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"has 49160 tokens, more than the model's vocabulary \(49152\)"):
+        LLM(model=str(path), tokenizer=bigger, max_model_len=64)

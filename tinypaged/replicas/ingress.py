@@ -61,7 +61,7 @@ class Ingress:
         config = EngineConfig(**engine_kwargs)
         self.engine = engine  # the EngineReplica deployment's handle
         self.board = board
-        self.tokenizer = Tokenizer(config.model_config.path)
+        self.tokenizer = Tokenizer(config.tokenizer_path)
         self.block_size = config.block_size
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes

@@ -84,7 +84,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 def calibration_prompts(config: EngineConfig) -> list[list[int]]:
     """The token ids the scales are measured on: the built-in text, and a chat exchange in the model's template
     (whose special tokens are how served chats start)."""
-    tokenizer = Tokenizer(config.model_config.path)
+    tokenizer = Tokenizer(config.tokenizer_path)
     prompts = [tokenizer.encode(CALIBRATION_TEXT)]
     if tokenizer.chat_template:
         chat = tokenizer.apply_chat_template(CALIBRATION_CHAT, add_generation_prompt=False)

@@ -84,7 +84,7 @@ class CoreProcess:
     def __init__(
         self, config: EngineConfig, start_timeout: float | None, stall_timeout: float | None
     ) -> None:
-        self._tokenizer = Tokenizer(config.model)
+        self._tokenizer = Tokenizer(config.tokenizer_path)
         # Grammars compile in the core (where they run); here a request is checked and tokenized only.
         self._inputs = InputProcessor(config, self._tokenizer, None)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA does not survive a fork

@@ -34,7 +34,7 @@ from tinypaged.engine.step.inputs import InputProcessor
 from tinypaged.engine.step.output_processor import GrammarError, OutputProcessor
 from tinypaged.engine.step.queued_step import QueuedStep, StepError
 from tinypaged.engine.step.stats import EngineSnapshot, EngineStats, StepResult, StepStats, StepTimer
-from tinypaged.errors import EngineDeadError, RequestError
+from tinypaged.errors import ConfigError, EngineDeadError, RequestError
 from tinypaged.outputs import RequestMetrics, RequestOutput
 from tinypaged.sampling_params import RequestOutputKind, SamplingParams
 from tinypaged.tokenizer import Tokenizer
@@ -63,7 +63,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = Tokenizer(config.tokenizer_path)
+        if config.tokenizer is not None and self.tokenizer.vocab_size > config.model_config.vocab_size:
+            raise ConfigError(
+                f"tokenizer {config.tokenizer} has {self.tokenizer.vocab_size} tokens, more than the model's "
+                f"vocabulary ({config.model_config.vocab_size})"
+            )
         torch.manual_seed(config.seed)
         self.executor = Executor(config)
         self.runner = self.executor.runner
@@ -74,7 +79,7 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.grammars = GrammarCompiler(
-            config.model_config.path / "tokenizer.json", config.model_config.vocab_size, sorted(self.eos_ids)
+            config.tokenizer_path / "tokenizer.json", config.model_config.vocab_size, sorted(self.eos_ids)
         )
         self.inputs = InputProcessor(config, self.tokenizer, self.grammars)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
