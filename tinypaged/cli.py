@@ -46,13 +46,13 @@ def _engine_args(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from tinypaged.engine.frontend.async_engine import AsyncEngine
     from tinypaged.engine.frontend.process_engine import ProcessEngine
+    from tinypaged.quantization import canonical_quantization
     from tinypaged.server.app import ServerConfig, serve
     from tinypaged.weights.fetch import DEFAULT_MODEL_NAME, default_gguf_path
 
     kwargs = _engine_args(args)
-    quant = (
-        kwargs["quantization"].lower() if isinstance(kwargs["quantization"], str) else kwargs["quantization"]
-    )
+    quant = kwargs["quantization"]
+    quant = canonical_quantization(quant) if isinstance(quant, str) else quant  # as EngineConfig reads it
     default_gguf = kwargs["model"] is None and (
         quant == "gguf" or (quant is None and _on_cpu(kwargs["device"]))
     )
