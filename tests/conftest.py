@@ -5,12 +5,17 @@ renaming, Q/K un-permutation and tokenizer builder)."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tinypaged.model import AttentionMetadata
+
+# No engine of the suite compiles its CPU decode graph in the background (model/cpu_graph.py) but where a test
+# turns it on (tests/model/test_cpu_graph.py): a build takes a minute of both cores.
+os.environ["TINYPAGED_CPU_GRAPH"] = "0"
 
 # The suite's time budget, part by part (tests/_budget.py; the budgets: pyproject.toml).
 pytest_plugins = ["_budget"]

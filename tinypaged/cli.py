@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -132,9 +133,14 @@ def _warmup(args: argparse.Namespace) -> int:
     with LLM(**_engine_args(args)) as llm:
         stats = llm.engine.runner.stats
         phases = llm.engine.startup
+        graph, t = llm.engine.runner.cpu_graph, time.perf_counter()
+        state = graph.wait() if graph is not None else ""  # the CPU's decode graph, built if it was not
     print("startup: " + ", ".join(f"{name} {s:.2f} s" for name, s in phases))
+    if graph is not None:
+        print(f"CPU decode graph: {state} after {time.perf_counter() - t:.1f} s ({graph.path})")
+        return 0 if state == "loaded" else 1
     if not stats.compile_cache:
-        print("nothing to compile: the engine runs on the CPU (the compile cache is for GPUs)")
+        print("nothing to compile: the engine runs on the CPU and no decode graph takes this model")
         return 0
     kernels = sum(1 for e in Path(os.environ["TRITON_CACHE_DIR"]).iterdir() if e.is_dir())
     print(f"compile cache: {stats.compile_cache} at the start, {kernels} kernels now")

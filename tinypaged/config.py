@@ -150,7 +150,9 @@ class EngineConfig:
         "preemption (docs/paper-eval.md)",
         choices=KV_RESERVATIONS,
     )
-    enforce_eager: bool = _arg(False, "run every step eagerly (no CUDA graphs)")
+    enforce_eager: bool = _arg(
+        False, "run every step eagerly (no CUDA graphs; on the CPU, no compiled decode step)"
+    )
     cuda_graph_max_tokens: int = _arg(
         2048,
         "largest step with prefill chunks, in tokens, replayed from a CUDA graph (larger ones run eagerly; "

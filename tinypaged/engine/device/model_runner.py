@@ -37,7 +37,7 @@ from tinypaged.engine.device.draft_weights import DraftWeights, load_draft, spli
 from tinypaged.engine.device.kv_scales import resolve_kv_cache_dtype, set_kv_scales
 from tinypaged.engine.device.staging import ModelInput, PendingTokens, Staging, table_width
 from tinypaged.errors import ConfigError
-from tinypaged.model import AttentionMetadata, load_model
+from tinypaged.model import AttentionMetadata, cpu_graph, load_model
 from tinypaged.model.llama import Attention
 from tinypaged.model.parallel import TPGroup
 from tinypaged.model.quant import Linear
@@ -132,6 +132,7 @@ class RunnerStats:
     graph_batch_sizes: list[int] = field(default_factory=list)
     graph_token_sizes: list[int] = field(default_factory=list)
     warm_logits_s: float = 0.0
+    cpu_graph: str = ""  # the CPU's compiled decode step: building, loaded or failed (none: not taken)
 
 
 class ModelRunner:
@@ -181,6 +182,7 @@ class ModelRunner:
         # A draft model (speculative decoding) loads before the KV cache is sized, on the driver's rank alone:
         # its weights and its pools share the target's budget (draft_weights.py).
         self.draft: DraftWeights | None = None
+        self.cpu_graph: cpu_graph.CpuGraph | None = None
         spec = config.speculative
         if spec is not None:  # a verification's k + 1 new tokens a sequence take the split decode attention
             for module in self.model.modules():
@@ -222,6 +224,10 @@ class ModelRunner:
         pool = "cpu_kv_cache_space" if self.device.type == "cpu" else "gpu_memory_utilization"
         pool = "num_gpu_blocks_override" if config.num_gpu_blocks_override else pool
         self.kv_cache = self._allocate(self.num_gpu_blocks, self.device, zero=True, setting=pool)
+        # The CPU's decode step compiled into one graph, built in the background (model/cpu_graph.py).
+        on_cpu = self.device.type == "cpu" and not config.enforce_eager
+        self.cpu_graph = cpu_graph.start(self.model, self.kv_cache) if on_cpu else None
+        self.stats.cpu_graph = self.cpu_graph.state if self.cpu_graph else ""
         self.stats.kv_cache_bytes = self.num_gpu_blocks * self.block_bytes
         # torch.empty leaves host pages untouched until a block is swapped out, so unused swap space costs nothing.
         self.swap_cache = self._allocate(
@@ -452,6 +458,10 @@ class ModelRunner:
         device (they are only on rank 0), every rank first takes rank 0's ids."""
         if ids_pending and self.tp.size > 1:
             self.tp.broadcast(inp.input_ids)
+        if self.cpu_graph is not None and kv_cache is self.kv_cache:
+            hidden = self.cpu_graph.forward(inp.input_ids, inp.positions, inp.meta)
+            if hidden is not None:
+                return hidden
         return self.model(inp.input_ids, inp.positions, kv_cache, inp.meta)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -562,6 +572,9 @@ class ModelRunner:
         self._graph_sizes = []
         self._token_sizes = []
         self.use_cuda_graphs = False
+        if self.cpu_graph is not None:
+            self.cpu_graph.close()
+            self.cpu_graph = None
         del self.model, self.kv_cache, self.swap_cache
 
 
