@@ -39,11 +39,17 @@ def test_the_compiled_step_computes_the_eager_one(
     tmp_path: Path, tiny_hf_model, graphs: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     model = tiny_hf_model(tmp_path / "m", "Llama", **SHAPE)
+    threads = torch.get_num_threads()
     llm = LLM(model=model, quantization="int4", seed=0, block_size=16)
     runner = llm.engine.runner
     graph = runner.cpu_graph
     assert graph is not None and runner.stats.cpu_graph == "building"
-    assert graph.wait(600) == "loaded" and len(list(graphs.glob("*.pt2"))) == 1
+    assert torch.get_num_threads() == max(1, threads - 1)  # the build has a core of its own
+    assert (
+        graph.wait(600) == "loaded"
+        and torch.get_num_threads() == threads
+        and len(list(graphs.glob("*.pt2"))) == 1
+    )
     assert not list(graphs.glob(".*.part.pt2"))
     calls = []
     run = graph._run
@@ -105,8 +111,15 @@ def test_a_build_that_fails_is_not_tried_again(
 ) -> None:
     model = tiny_hf_model(tmp_path / "m", "Llama", **SHAPE)
     monkeypatch.setattr(cpu_graph.sys, "executable", "/bin/false")  # the build process exits 1 at once
+    eager = LLM(model=model, quantization="int4", seed=0, enforce_eager=True).engine
+    spec = cpu_graph.spec_of(eager.runner.model, eager.runner.kv_cache)
+    eager.shutdown()
+    stale = cpu_graph._part(graphs / f"{spec.key()}.pt2", 999_999_999)  # a build's, killed with its engine
+    graphs.mkdir()
+    stale.write_bytes(b"partial")
     llm = LLM(model=model, quantization="int4", seed=0)
     graph = llm.engine.runner.cpu_graph
+    assert graph.path == graphs / f"{spec.key()}.pt2" and not stale.exists()
     assert graph.wait(60) == "failed" and graph.path.with_suffix(".failed").exists()
     assert all(len(o.token_ids) == 12 for o in _generate(llm, True))  # eager
     llm.shutdown()

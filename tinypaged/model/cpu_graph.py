@@ -30,7 +30,6 @@ packed kernels take bf16 rows) may round the other way: the logits move by the k
 from __future__ import annotations
 
 import atexit
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -41,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -292,6 +292,16 @@ def build(spec: Spec, out: Path) -> None:
         part.unlink(missing_ok=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _part(out: Path, pid: int | str) -> Path:
     """Where the build of `out` by process `pid` writes before the rename ("*": any build's)."""
     return out.with_name(f".{out.stem}.{pid}.part.pt2")
@@ -349,12 +359,22 @@ class CpuGraph:
 
     def _start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        for part in self.path.parent.glob(_part(self.path, "*").name):  # a killed build's (its pid is gone)
+            if not _alive(int(part.name.split(".")[2])):
+                part.unlink(missing_ok=True)
         spec_file = self.path.with_suffix(".json")
         spec_file.write_text(json.dumps(asdict(self.spec)))
+        # The build takes one core; the engine's threads the others meanwhile: an OpenMP team with a thread on a
+        # busy core waits for it at every barrier (requests ran 20-50x slower beside a build on two cores).
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, self._threads - 1))
+        env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
         with open(self.log, "w") as log:
             me = str(os.getpid())
             cmd = [sys.executable, "-m", "tinypaged.model.cpu_graph", str(spec_file), str(self.path), me]
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         logger.info(
             "compiling the CPU decode graph in the background (%s); decoding is eager until then", self.path
         )
@@ -372,6 +392,7 @@ class CpuGraph:
         if self._run is not None or self._proc is None or self._proc.poll() is None:
             return self._run is not None
         rc, self._proc = self._proc.returncode, None
+        torch.set_num_threads(self._threads)
         if rc == 0 and self.path.exists():
             self._load()
         else:
@@ -415,6 +436,7 @@ class CpuGraph:
             os.killpg(self._proc.pid, signal.SIGKILL)  # the build and inductor's compile workers
             self._proc.wait()
             _part(self.path, self._proc.pid).unlink(missing_ok=True)
+            torch.set_num_threads(self._threads)
         self._proc = None
         self._run = None
 
@@ -433,15 +455,20 @@ def start(model: torch.nn.Module, kv_cache: torch.Tensor) -> CpuGraph | None:
     return CpuGraph(model, kv_cache, spec, graph_dir() / f"{spec.key()}.pt2")
 
 
+def _watch(engine: int) -> None:
+    """End the build, with its compile workers (its process group), once the engine that started it is gone."""
+    while os.getppid() == engine:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m tinypaged.model.cpu_graph SPEC_JSON OUT [ENGINE_PID]`: the background build. It ends with the
-    engine that started it (Linux), runs after the engine's work (nice 10), and one build of a file runs at a
-    time: another engine's build of the same file waits for it, then finds the file and stops."""
+    engine that started it, runs after the engine's work (nice 10), and one build of a file runs at a time:
+    another engine's build of the same file waits for it, then finds the file and stops."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) > 2 and sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != int(args[2]):  # the engine ended before that
-            return 1
+    if len(args) > 2:
+        threading.Thread(target=_watch, args=(int(args[2]),), daemon=True).start()
     os.nice(10)
     out = Path(args[1])
     with open(out.with_suffix(".lock"), "w") as lock:
