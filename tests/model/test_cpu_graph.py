@@ -130,19 +130,46 @@ def test_a_build_that_fails_is_not_tried_again(
 
 def test_the_step_s_inputs_follow_the_spec() -> None:
     """The placeholders a build exports with have the shapes the engine passes (no compile here)."""
-    spec = cpu_graph.Spec(
-        hidden=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        eps=1e-5,
-        scale=0.25,
-        block_size=16,
-        max_positions=64,
-        layers=[[cpu_graph.Linear(64, 128, ([128, 32], "uint8"), ([1, 128, 2], "bfloat16"))] * 4],
-    )
+    lin = cpu_graph.Linear(64, 128, ([128, 32], "uint8"), ([1, 128, 2], "bfloat16"))
+    biased = cpu_graph.Linear(64, 128, ([128, 32], "uint8"), ([1, 128, 2], "bfloat16"), bias=True)
+    layers = [cpu_graph.Layer([biased, lin, lin, lin], 8, True), cpu_graph.Layer([lin] * 4)]
+    spec = cpu_graph.Spec(64, 4, 2, 16, 1e-5, 0.25, 16, 64, layers)
     assert cpu_graph.Spec.from_json(json.dumps(asdict(spec))) == spec
-    x, positions, write, read, mask, cos_sin, norms, weights, kv = cpu_graph._inputs(spec, 3, 5, 4)
-    assert x.shape == (3, 64) and positions.dtype == torch.int32 and len(norms) == 3 and len(weights) == 8
+    x, positions, lens, write, read, cos_sin, norms, tensors, kv = cpu_graph._inputs(spec, 3, 5, 4)
+    assert x.shape == (3, 64) and positions.dtype == lens.dtype == torch.int32 and len(norms) == 5
+    assert [len(t) for t in tensors] == [8 + 1 + 2, 8] and tensors[0][2].shape == (128,)
     assert [t.shape for t in write] == [(3,)] * 2 and [t.shape for t in read] == [(3, 5)] * 2
-    assert mask.shape == (3, 1, 1, 5) and kv[0].shape == (2, 4, 16, 2, 16) and cos_sin.shape == (64, 16)
+    assert kv[0].shape == (2, 4, 16, 2, 16) and cos_sin.shape == (64, 16)
+
+
+def test_biases_q_k_norms_and_windows_compute_as_eagerly(tmp_path: Path, tiny_hf_model, graphs: Path) -> None:
+    """A Qwen3 with biases on q, k, v and o, its q/k norms, and a window of 8 on its second layer: the graph takes
+    it and decodes as the eager model does, past the window."""
+    model = tiny_hf_model(
+        tmp_path / "m",
+        "Qwen3",
+        **SHAPE,
+        head_dim=16,
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    llm = LLM(model=model, quantization="int4", seed=0)
+    runner = llm.engine.runner
+    graph = runner.cpu_graph
+    assert [(layer.window, layer.qk_norm) for layer in graph.spec.layers] == [(None, True), (8, True)]
+    assert [lin.bias for lin in graph.spec.layers[0].linears] == [True, True, False, False]
+    assert graph.wait(600) == "loaded"
+    calls = []
+    run = graph._run
+    graph._run = lambda inputs: calls.append(inputs[0].shape[0]) or run(inputs)
+    got = _generate(llm, True)
+    assert calls == [len(PROMPTS)] * 11
+    runner.cpu_graph = None
+    want = _generate(llm, True)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
+            assert lg.keys() == lw.keys() and max(abs(lg[t].logprob - lw[t].logprob) for t in lg) < 2e-2
+    llm.shutdown()

@@ -8,10 +8,11 @@ lies between them (the residual adds with the norms, the rotary with the cache w
 a few C++ loops a layer. A token of the default model is ~1,800 small torch ops in eager mode, most of whose time
 is the ops' own dispatch (benchmarks/HISTORY.md); the graph runs ~15 calls a layer from C++.
 
-Which models: the Llama family without its relatives' switches (no biases, q/k norms, windows, Gemma's norms),
-one rank, float32 activations and KV cache, every linear layer packed for torch's INT4 CPU kernel (a GGUF's
-4- and 5-bit types, GPTQ / AWQ / compressed-tensors INT4, `quantization="int4"`). Anything else (INT8 layers
-too), and prefill, mixed and speculative steps, run eagerly.
+Which models: the Llama family and the relatives whose switches are biases (Qwen2), q/k norms (Qwen3) and
+sliding windows (Mistral, Qwen's windowed layers), on one rank, with float32 activations and KV cache and every
+linear layer packed for torch's INT4 CPU kernel (a GGUF's 4- and 5-bit types, GPTQ / AWQ / compressed-tensors
+INT4, `quantization="int4"`). Anything else (Gemma 3, INT8 layers, an FP8 cache), and prefill, mixed and
+speculative steps, run eagerly.
 
 The library depends on the model's shapes, not its weights: the weights, the KV cache and the step's tensors are
 its inputs. The build (`python -m tinypaged.model.cpu_graph SPEC OUT`) exports the step with placeholder tensors
@@ -66,6 +67,17 @@ class Linear:
     out_features: int
     codes: tuple[list[int], str]  # shape, dtype
     scales: tuple[list[int], str]
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: its qkv, o, gate_up and down layers, its window (None: the whole context) and whether
+    it normalises each head of q and k."""
+
+    linears: list[Linear]
+    window: int | None = None
+    qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class Spec:
     scale: float
     block_size: int
     max_positions: int
-    layers: list[list[Linear]]  # each layer's qkv, o, gate_up, down
+    layers: list[Layer]
 
     def key(self) -> str:
         """The file's name: the shapes, torch, the CPU's vector extensions and this file's source."""
@@ -94,14 +106,14 @@ class Spec:
     @staticmethod
     def from_json(text: str) -> Spec:
         d = json.loads(text)
-        d["layers"] = [
-            [
-                Linear(lin["group"], lin["out_features"], tuple(lin["codes"]), tuple(lin["scales"]))
-                for lin in layer
+        layers = []
+        for layer in d.pop("layers"):
+            lins = [
+                Linear(**(lin | {"codes": tuple(lin["codes"]), "scales": tuple(lin["scales"])}))
+                for lin in layer.pop("linears")
             ]
-            for layer in d["layers"]
-        ]
-        return Spec(**d)
+            layers.append(Layer(lins, **layer))
+        return Spec(**d, layers=layers)
 
 
 def _cpu_flags() -> str:
@@ -127,27 +139,35 @@ def spec_of(model: torch.nn.Module, kv_cache: torch.Tensor) -> Spec | None:
     if not isinstance(model, LlamaForCausalLM) or model.tp.size > 1 or kv_cache.device.type != "cpu":
         return None
     cfg = model.cfg
-    relatives = cfg.qkv_bias or cfg.attention_bias or cfg.qk_norm or cfg.family == "gemma3"
-    if relatives or cfg.final_logit_softcapping or model.embed_scale != 1.0 or model.local_layers:
+    if (
+        cfg.family == "gemma3"
+        or cfg.final_logit_softcapping
+        or model.embed_scale != 1.0
+        or model.local_layers
+    ):
         return None
     if kv_cache.dtype != torch.float32 or model.cos_sin_cache.dtype != torch.float32:
+        return None
+    if any(p.dtype != torch.float32 for n, p in model.named_parameters() if n.endswith("norm.weight")):
         return None
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.window is not None or attn.short_query_len != 1 or mlp.gelu:
-            return None
-        if layer.input_layernorm.fp8 or layer.post_attention_layernorm.fp8:
-            return None
-        if layer.input_layernorm.weight.dtype != torch.float32:
+        if (
+            attn.short_query_len != 1
+            or mlp.gelu
+            or layer.input_layernorm.fp8
+            or layer.post_attention_layernorm.fp8
+        ):
             return None
         packed = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             p: CpuPacked | None = getattr(lin, "cpu_packed", None)
-            if p is None or p.bits != 4 or lin.bias is not None:
+            if p is None or p.bits != 4 or (lin.bias is not None and lin.bias.dtype != torch.float32):
                 return None
-            packed.append(Linear(p.group, lin.out_features, _shape(p.codes), _shape(p.scales)))
-        layers.append(packed)
+            bias = lin.bias is not None
+            packed.append(Linear(p.group, lin.out_features, _shape(p.codes), _shape(p.scales), bias))
+        layers.append(Layer(packed, attn.window, attn.qk_norm))
     first = model.layers[0].self_attn
     return Spec(
         hidden=cfg.hidden_size,
@@ -167,9 +187,36 @@ def spec_of(model: torch.nn.Module, kv_cache: torch.Tensor) -> Spec | None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _linear(x: torch.Tensor, lin: Linear, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`packed_linear` (model/quant/cpu.py): bf16 rows through torch's kernel, back in float32."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), codes, lin.group, scales).float()
+def layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """A decoder layer's tensors in the order the graph takes them: each linear layer's codes, scales (and bias),
+    then q's and k's norm weights where it has them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out = []
+    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        out += [lin.cpu_packed.codes, lin.cpu_packed.scales] + (
+            [lin.bias.data] if lin.bias is not None else []
+        )
+    if attn.qk_norm:
+        out += [attn.q_norm.weight.data, attn.k_norm.weight.data]
+    return out
+
+
+def _placeholders(spec: Spec, layer: Layer) -> list[torch.Tensor]:
+    """`layer_tensors`' shapes and dtypes, as zeros."""
+    dtype = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "bfloat16": torch.bfloat16}
+    out = []
+    for lin in layer.linears:
+        out += [torch.zeros(shape, dtype=dtype[dt]) for shape, dt in (lin.codes, lin.scales)]
+        out += [torch.zeros(lin.out_features)] if lin.bias else []
+    return out + ([torch.ones(spec.head_dim), torch.ones(spec.head_dim)] if layer.qk_norm else [])
+
+
+def _linear(x: torch.Tensor, lin: Linear, w: list[torch.Tensor]) -> torch.Tensor:
+    """`packed_linear` (model/quant/cpu.py): bf16 rows through torch's kernel, back in float32 (plus the bias);
+    takes the layer's tensors from the front of `w`."""
+    codes, scales = w.pop(0), w.pop(0)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), codes, lin.group, scales).float()
+    return y + w.pop(0) if lin.bias else y
 
 
 def _attention(
@@ -212,44 +259,50 @@ class Step(torch.nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
+        lens: torch.Tensor,
         write: tuple[torch.Tensor, torch.Tensor],
         read: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
         cos_sin: torch.Tensor,
         norms: list[torch.Tensor],
-        weights: list[torch.Tensor],
+        layers: list[list[torch.Tensor]],
         kv: list[torch.Tensor],
     ) -> torch.Tensor:
         s = self.spec
         t, nh, nkv, d = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
         cos, sin = cos_sin[positions].chunk(2, dim=-1)
         cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+        # Which context positions each token sees: all of its sequence's, or the last `window` of them.
+        kpos, lens = torch.arange(read[0].shape[1])[None, :], lens[:, None]
+        masks = {None: (kpos < lens)[:, None, None, :]}
+        for window in {layer.window for layer in s.layers} - {None}:
+            masks[window] = ((kpos < lens) & (kpos >= lens - window))[:, None, None, :]
         residual = x
         h = F.rms_norm(x, x.shape[-1:], norms[0], s.eps)
-        for i, lins in enumerate(s.layers):
-            w = weights[8 * i : 8 * i + 8]
-            qkv = _linear(h, lins[0], w[0], w[1])
+        for i, layer in enumerate(s.layers):
+            w, lins = list(layers[i]), layer.linears  # the linear layers' tensors, taken in turn
+            if layer.qk_norm:
+                w, (q_w, k_w) = w[:-2], w[-2:]
+            qkv = _linear(h, lins[0], w)
             qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d)
             v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
+            if layer.qk_norm:  # Qwen3: each head of q and k normalised, then rotated
+                qk = torch.cat(
+                    (F.rms_norm(qk[:, :nh], (d,), q_w, s.eps), F.rms_norm(qk[:, nh:], (d,), k_w, s.eps)), 1
+                )
             qk = qk * cos + qk.roll(d // 2, -1) * sin
-            o = _attention(s, qk[:, :nh], qk[:, nh:], v, kv[i], write, read, mask)
-            residual = _linear(o.reshape(t, nh * d), lins[1], w[2], w[3]) + residual
+            o = _attention(s, qk[:, :nh], qk[:, nh:], v, kv[i], write, read, masks[layer.window])
+            residual = _linear(o.reshape(t, nh * d), lins[1], w) + residual
             h = F.rms_norm(residual, x.shape[-1:], norms[2 * i + 1], s.eps)
-            gu = _linear(h, lins[2], w[4], w[5])
+            gu = _linear(h, lins[2], w)
             inner = gu.shape[-1] // 2
-            residual = _linear(F.silu(gu[:, :inner]) * gu[:, inner:], lins[3], w[6], w[7]) + residual
+            residual = _linear(F.silu(gu[:, :inner]) * gu[:, inner:], lins[3], w) + residual
             h = F.rms_norm(residual, x.shape[-1:], norms[2 * i + 2], s.eps)
         return h
 
 
 def _inputs(spec: Spec, tokens: int, length: int, blocks: int) -> tuple:
     """Placeholder inputs of the spec's shapes: `tokens` new tokens, contexts of `length`, a cache of `blocks`."""
-    dtype = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "bfloat16": torch.bfloat16}
-    weights = []
-    for layer in spec.layers:
-        for lin in layer:
-            for shape, dt in (lin.codes, lin.scales):
-                weights.append(torch.zeros(shape, dtype=dtype[dt]))
+    layers = [_placeholders(spec, layer) for layer in spec.layers]
     n = len(spec.layers)
     norms = [torch.ones(spec.hidden) for _ in range(2 * n + 1)]
     kv = [torch.zeros(2, blocks, spec.block_size, spec.num_kv_heads, spec.head_dim) for _ in range(n)]
@@ -257,10 +310,10 @@ def _inputs(spec: Spec, tokens: int, length: int, blocks: int) -> tuple:
     write = (slots // spec.block_size, slots % spec.block_size)
     ctx = torch.arange(length).repeat(tokens, 1)
     read = (ctx // spec.block_size, ctx % spec.block_size)
-    mask = torch.ones(tokens, 1, 1, length, dtype=torch.bool)
+    lens = torch.full((tokens,), length, dtype=torch.int32)
     cos_sin = torch.zeros(spec.max_positions, spec.head_dim)
     x, positions = torch.zeros(tokens, spec.hidden), torch.zeros(tokens, dtype=torch.int32)
-    return (x, positions, write, read, mask, cos_sin, norms, weights, kv)
+    return (x, positions, lens, write, read, cos_sin, norms, layers, kv)
 
 
 def build(spec: Spec, out: Path) -> None:
@@ -270,19 +323,20 @@ def build(spec: Spec, out: Path) -> None:
     t, length = dim("tokens", min=1, max=_MAX_TOKENS), dim("length", min=1, max=_MAX_LEN)
     blocks = dim("blocks", min=1, max=_MAX_BLOCKS)
     n = len(spec.layers)
+    example = _inputs(spec, 3, 5, 4)
     dynamic = (
+        {0: t},
         {0: t},
         {0: t},
         ({0: t}, {0: t}),
         ({0: t, 1: length}, {0: t, 1: length}),
-        {0: t, 3: length},
         None,
         [None] * (2 * n + 1),
-        [None] * (8 * n),
+        [[None] * len(layer) for layer in example[7]],
         [{1: blocks}] * n,
     )
     with torch.no_grad():
-        program = torch.export.export(Step(spec), _inputs(spec, 3, 5, 4), dynamic_shapes=dynamic)
+        program = torch.export.export(Step(spec), example, dynamic_shapes=dynamic)
     out.parent.mkdir(parents=True, exist_ok=True)
     part = _part(out, os.getpid())
     try:
@@ -330,15 +384,8 @@ class CpuGraph:
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
             norms += [layer.post_attention_layernorm.weight, nxt.weight]
-        weights = []
-        for layer in layers:
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
-                weights += [lin.cpu_packed.codes, lin.cpu_packed.scales]
+        weights = [t for layer in layers for t in layer_tensors(layer)]
+        # The inputs after the step's own, flattened as the library takes them (`Step.forward`'s order).
         self._held = [model.cos_sin_cache, *(w.data for w in norms), *weights, *kv_cache.unbind(0)]
         self._run = None
         self._proc: subprocess.Popen | None = None
@@ -424,11 +471,17 @@ class CpuGraph:
         length = meta.max_seq_len or int(lens.max())
         pos = torch.arange(length)
         ctx = (meta.block_tables[:, pos // bs].long() * bs + pos % bs).clamp_(min=0)  # ops._context_slots
-        mask = (pos[None, :] < lens[:, None])[:, None, None, :]
         x = self.model.embed_tokens(input_ids)
-        cos_sin, *held = self._held
-        steps = [x, positions.to(torch.int32), slots // bs, slots % bs, ctx // bs, ctx % bs, mask, cos_sin]
-        return self._run(steps + held)[0]
+        steps = [
+            x,
+            positions.to(torch.int32),
+            lens.to(torch.int32),
+            slots // bs,
+            slots % bs,
+            ctx // bs,
+            ctx % bs,
+        ]
+        return self._run(steps + self._held)[0]
 
     def close(self) -> None:
         """Stop a build still running, with inductor's compile workers, and remove its partial file."""
