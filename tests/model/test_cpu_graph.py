@@ -143,23 +143,25 @@ def test_the_step_s_inputs_follow_the_spec() -> None:
 
 
 def test_biases_q_k_norms_and_windows_compute_as_eagerly(tmp_path: Path, tiny_hf_model, graphs: Path) -> None:
-    """A Qwen3 with biases on q, k, v and o, its q/k norms, and a window of 8 on its second layer: the graph takes
-    it and decodes as the eager model does, past the window."""
+    """A Qwen3 with biases on q, k, v and o, its q/k norms, and a window of 8 on its second layer, in grouped INT8
+    (split in nibbles, quant/cpu.py): the graph takes it and decodes as the eager model does, past the window."""
     model = tiny_hf_model(
         tmp_path / "m",
         "Qwen3",
-        **SHAPE,
+        **(SHAPE | {"intermediate_size": 256}),
         head_dim=16,
         attention_bias=True,
         use_sliding_window=True,
         sliding_window=8,
         max_window_layers=1,
     )
-    llm = LLM(model=model, quantization="int4", seed=0)
+    llm = LLM(model=model, quantization="int8", seed=0)
     runner = llm.engine.runner
     graph = runner.cpu_graph
     assert [(layer.window, layer.qk_norm) for layer in graph.spec.layers] == [(None, True), (8, True)]
-    assert [lin.bias for lin in graph.spec.layers[0].linears] == [True, True, False, False]
+    # quantization="int8" groups 128 columns (64 where 128 does not divide): per row where a row is one group.
+    kernels = [(lin.bias, lin.doubled, lin.bits) for lin in graph.spec.layers[0].linears]
+    assert kernels == [(True, False, 8), (True, False, 8), (False, False, 8), (False, True, 4)]
     assert graph.wait(600) == "loaded"
     calls = []
     run = graph._run

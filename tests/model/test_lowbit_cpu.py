@@ -49,6 +49,39 @@ def test_int8_per_row_kernel_matches_the_reference() -> None:
     _close(lowbit.wint_linear(x, w._replace(cpu=packed)), x, lowbit.dequantize_weight(w))
 
 
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("kind", ["sym", "asym", "mins"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_grouped_int8_runs_split_in_nibbles_on_the_int4_kernel(group: int, kind: str, rows: int) -> None:
+    """Grouped 8-bit weights (GGUF's Q8_0 / Q5_0 / Q5_1 / Q5_K, `quantization="int8"`, 8-bit GPTQ): torch has no
+    grouped INT8 kernel, so each code is split in two nibbles over the input row repeated (`cpu.split_int8`)."""
+    g = torch.Generator().manual_seed(group + rows)
+    n, k = 48, 256
+    w = lowbit.quantize_rtn(torch.randn(n, k, generator=g), 8, group, kind == "sym")
+    if kind == "asym":  # zero points near the middle: every code within a byte of its zero
+        zeros = torch.randint(100, 156, (k // group, n), generator=g, dtype=torch.uint8)
+        z = zeros.t().int().repeat_interleave(group, 1)
+        codes = (z + torch.randint(-128, 128, (n, k), generator=g)).clamp(0, 255)
+        w = lowbit.IntWeight(lowbit.pack(codes.to(torch.int32), 8), w.scales, zeros, 8, group)
+    if kind == "mins":  # GGUF's Q5_1: 5-bit codes, q * d + m
+        codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.int32)
+        mins = -torch.rand(k // group, n, generator=g) * 0.1
+        w = lowbit.IntWeight(lowbit.pack(codes, 8), w.scales, None, 8, group, mins)
+    x = torch.randn(rows, k, generator=g)
+    packed = cpu.pack(lowbit.unpack(w.qweight, 8), w.scales, w.zeros, w.mins, 8, group)
+    assert cpu.packable(8, group, n, k, kind == "asym", kind == "mins") and packed.doubled
+    got = lowbit.wint_linear(x, w._replace(cpu=packed))
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    _close(got, x, lowbit.dequantize_weight(w))
+
+
+def test_an_8_bit_code_past_a_byte_from_its_zero_is_not_packed() -> None:
+    codes = torch.zeros(16, 32, dtype=torch.int32)
+    codes[0, 0] = 255  # 255 away from its zero point 0
+    zeros = torch.zeros(1, 16, dtype=torch.uint8)
+    assert cpu.pack(codes, torch.ones(1, 16), zeros, None, 8, 32) is None
+
+
 def _q8_0(w: torch.Tensor) -> torch.Tensor:
     """w rounded as GGUF's Q8_0 (float16 d = amax / 127 per 32 columns, signed codes), in float32."""
     blocks = w.view(w.shape[0], -1, 32)
@@ -90,7 +123,7 @@ def test_int8_head_recomputes_its_top_logits_exactly(monkeypatch: pytest.MonkeyP
     ids = got.topk(cpu.HEAD_EXACT_TOP, dim=-1).indices
     torch.testing.assert_close(got.gather(-1, ids), exact.gather(-1, ids), rtol=1e-6, atol=1e-5)
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
-    kernel = cpu.packed_linear(torch.cat([x, x], -1), emb.head)
+    kernel = cpu.packed_linear(x, emb.head)
     rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, ids, False)
     assert torch.equal(got[rest], kernel[rest])
     monkeypatch.setattr(cpu, "HEAD_EXACT_TOP", 0)  # the kernel's bf16 logits alone: row 11 loses the tie

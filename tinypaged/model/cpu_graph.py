@@ -10,9 +10,10 @@ is the ops' own dispatch (benchmarks/HISTORY.md); the graph runs ~15 calls a lay
 
 Which models: the Llama family and the relatives whose switches are biases (Qwen2), q/k norms (Qwen3) and
 sliding windows (Mistral, Qwen's windowed layers), on one rank, with float32 activations and KV cache and every
-linear layer packed for torch's INT4 CPU kernel (a GGUF's 4- and 5-bit types, GPTQ / AWQ / compressed-tensors
-INT4, `quantization="int4"`). Anything else (Gemma 3, INT8 layers, an FP8 cache), and prefill, mixed and
-speculative steps, run eagerly.
+linear layer on torch's packed CPU kernels (quant/cpu.py): 4-bit weights, grouped 8-bit ones split in nibbles
+and per-row INT8 (a GGUF's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0, GPTQ / AWQ / compressed-tensors,
+`quantization="int4"` or "int8"). Anything else (Gemma 3, Q6_K's groups of 16, an FP8 cache), and prefill, mixed
+and speculative steps, run eagerly.
 
 The library depends on the model's shapes, not its weights: the weights, the KV cache and the step's tensors are
 its inputs. The build (`python -m tinypaged.model.cpu_graph SPEC OUT`) exports the step with placeholder tensors
@@ -68,6 +69,8 @@ class Linear:
     codes: tuple[list[int], str]  # shape, dtype
     scales: tuple[list[int], str]
     bias: bool = False
+    doubled: bool = False  # an 8-bit weight split in nibbles over the input row repeated (quant/cpu.py)
+    bits: int = 4  # the kernel's: 4, or 8 for INT8 with one scale a row (`_weight_int8pack_mm`)
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,11 @@ def spec_of(model: torch.nn.Module, kv_cache: torch.Tensor) -> Spec | None:
         packed = []
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             p: CpuPacked | None = getattr(lin, "cpu_packed", None)
-            if p is None or p.bits != 4 or (lin.bias is not None and lin.bias.dtype != torch.float32):
+            if p is None or (lin.bias is not None and lin.bias.dtype != torch.float32):
                 return None
             bias = lin.bias is not None
-            packed.append(Linear(p.group, lin.out_features, _shape(p.codes), _shape(p.scales), bias))
+            shapes = (_shape(p.codes), _shape(p.scales))
+            packed.append(Linear(p.group, lin.out_features, *shapes, bias, p.doubled, p.bits))
         layers.append(Layer(packed, attn.window, attn.qk_norm))
     first = model.layers[0].self_attn
     return Spec(
@@ -212,10 +216,16 @@ def _placeholders(spec: Spec, layer: Layer) -> list[torch.Tensor]:
 
 
 def _linear(x: torch.Tensor, lin: Linear, w: list[torch.Tensor]) -> torch.Tensor:
-    """`packed_linear` (model/quant/cpu.py): bf16 rows through torch's kernel, back in float32 (plus the bias);
+    """`packed_linear` (model/quant/cpu.py): bf16 rows through torch's kernels, back in float32 (plus the bias);
     takes the layer's tensors from the front of `w`."""
     codes, scales = w.pop(0), w.pop(0)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), codes, lin.group, scales).float()
+    xb = x.to(torch.bfloat16)
+    if lin.doubled:
+        xb = torch.cat([xb, xb], -1)
+    if lin.bits == 8:
+        y = torch.ops.aten._weight_int8pack_mm(xb, codes, scales).float()
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, lin.group, scales).float()
     return y + w.pop(0) if lin.bias else y
 
 

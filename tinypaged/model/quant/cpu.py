@@ -8,7 +8,8 @@ torch ships CPU kernels for weight-only matmuls (ATen, vectorized for AVX2 and A
 fast only with bf16 activations (their float32 and float16 paths are scalar loops, 20 to 50 times slower on
 AVX-512; benchmarks/HISTORY.md), and both want the scales in the activations' dtype. So a layer packed here runs
 in bf16: its input rows are rounded to bf16, the kernel dequantizes each group in float32 from bf16 scale and
-zero and accumulates in float32, and the output, rounded to bf16, comes back in the input's dtype.
+zero and accumulates in float32, and the output, rounded to bf16, comes back in the input's dtype. torch has no
+grouped INT8 kernel: a grouped 8-bit layer runs the INT4 one, each code split in two nibbles (`split_int8`).
 
 The layout's weight `(code - zero) * scale (+ min)` maps onto torch's exactly except for that rounding: scale
 `scale`, zero `(8 - zero) * scale (+ min)`, computed in float32 and rounded once to bf16 (GGUF's Q4_1 `d * q + m`
@@ -45,19 +46,22 @@ HEAD_EXACT_TOP = 16  # logits a row recomputed exactly in float32 by the int8 he
 
 class CpuPacked(NamedTuple):
     """A weight packed for torch's CPU kernels: `codes` (INT4: torch's int4pack bytes; INT8: int8 `[N, K]`),
-    `scales` in bf16 (INT4: `[K / group, N, 2]` scale and zero; INT8: `[N]`), the bits and the group."""
+    `scales` in bf16 (INT4: `[K / group, N, 2]` scale and zero; INT8: `[N]`), the kernel's bits and the group.
+    `doubled`: an 8-bit weight split in two nibbles, an INT4 weight `[N, 2K]` over the input row repeated
+    (`split_int8`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     bits: int
     group: int
+    doubled: bool = False
 
 
 def packable(bits: int, group: int, n: int, k: int, zeros: bool, mins: bool) -> bool:
     """Whether a layer of this scheme and shape `[N, K]` runs on torch's CPU kernels (else the reference)."""
-    if bits == 4:
-        return group in INT4_GROUPS and k % group == 0 and n % 16 == 0  # the int4 packing's tiles of 16 rows
-    return group == k and not zeros and not mins  # INT8: one symmetric scale per row
+    if group == k and bits == 8 and not zeros and not mins:
+        return True  # INT8, one symmetric scale per row
+    return group in INT4_GROUPS and k % group == 0 and n % 16 == 0  # the int4 packing's tiles of 16 rows
 
 
 def pack(
@@ -67,11 +71,20 @@ def pack(
     mins: torch.Tensor | None,
     bits: int,
     group: int,
-) -> CpuPacked:
-    """Pack unsigned codes `[N, K]` with the layout's float32 `scales`, `zeros` and `mins` `[K / group, N]`."""
-    if bits == 8:
+) -> CpuPacked | None:
+    """Pack unsigned codes `[N, K]` with the layout's float32 `scales`, `zeros` and `mins` `[K / group, N]`; None
+    where the kernels cannot take them (an 8-bit code whose distance to its zero point is past a byte's)."""
+    if bits == 8 and group == codes.shape[1] and zeros is None and mins is None:
         signed = (codes.to(torch.int32) - 128).to(torch.int8).contiguous()
         return CpuPacked(signed, scales[0].to(torch.bfloat16).contiguous(), 8, group)
+    if bits == 8:
+        zero = 0 if mins is not None else 128
+        if zeros is not None:
+            zero = zeros.t().to(torch.int32).repeat_interleave(group, dim=1)
+        q = codes.to(torch.int32) - zero
+        if q.numel() and (int(q.min()) < -128 or int(q.max()) > 127):
+            return None
+        return split_int8(q, scales.float(), mins, group)
     s = scales.float()
     zero = (8.0 - (zeros.float() if zeros is not None else (0.0 if mins is not None else 8.0))) * s
     if mins is not None:
@@ -84,6 +97,8 @@ def packed_linear(x: torch.Tensor, w: CpuPacked, bias: torch.Tensor | None = Non
     """`x @ W.T (+ bias)` for rows x `[M, K]` through torch's kernel, in bf16 (the module's docstring), returned
     in x's dtype."""
     xb = x.to(torch.bfloat16)
+    if w.doubled:
+        xb = torch.cat([xb, xb], -1)
     if w.bits == 4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.codes, w.group, w.scales)
     else:
@@ -110,7 +125,7 @@ class Int8Embedding(NamedTuple):
         """`hidden @ W.T` `[M, V]`, in hidden's dtype: the INT4 kernel over `[hidden, hidden]` (`head_weight`),
         then each row's `HEAD_EXACT_TOP` largest logits recomputed in float32 from the exact weights (the
         module's docstring)."""
-        y = packed_linear(torch.cat([hidden, hidden], -1), self.head)
+        y = packed_linear(hidden, self.head)
         top = min(HEAD_EXACT_TOP, y.shape[-1])
         if top and y.numel():
             ids = y.topk(top, dim=-1).indices  # [M, top]
@@ -119,19 +134,25 @@ class Int8Embedding(NamedTuple):
         return y
 
 
-def head_weight(codes: torch.Tensor, scales: torch.Tensor) -> CpuPacked:
-    """Signed int8 codes `[N, K]` with a scale `d` per group of 32 as one INT4 weight `[N, 2K]`: a code `q` is
-    `16 * hi + lo` (hi = q >> 4 in [-8, 7], lo = q & 15), so `d * q = (hi + 8 - 8) * 16d + (lo - 8) * d + 8d`:
-    the first K columns hold `hi + 8` with scale `16d` and zero 0, the next K hold `lo` with scale `d` and zero
-    `8d`. The weight is exact but for the bf16 rounding of `16d`, `d` and `8d` (the module's docstring); it
-    reads the int8 codes' bytes, a fifth of the float32 head's, with one kernel call."""
-    q = codes.to(torch.int32)
+def split_int8(q: torch.Tensor, d: torch.Tensor, mins: torch.Tensor | None, group: int) -> CpuPacked:
+    """Signed codes `q` `[N, K]` in [-128, 127] with a scale `d` (and a min) per group `[K / group, N]` as one INT4
+    weight `[N, 2K]` over the input row repeated: a code is `16 * hi + lo` (hi = q >> 4 in [-8, 7], lo = q & 15),
+    so `d * q (+ m) = (hi + 8 - 8) * 16d + (lo - 8) * d + 8d (+ m)`: the first K columns hold `hi + 8` with scale
+    `16d` and zero 0, the next K hold `lo` with scale `d` and zero `8d (+ m)`. The weight is exact but for the
+    bf16 rounding of `16d`, `d` and `8d (+ m)`, as a 4-bit layer's (the module's docstring); it reads a byte a
+    weight with one kernel call. torch has no grouped INT8 kernel: so run GGUF's Q8_0, Q5_0, Q5_1 and Q5_K,
+    `quantization="int8"` and grouped 8-bit GPTQ, and the LM head of a GGUF model (`head_weight`)."""
     two = torch.cat([(q >> 4) + 8, q & 15], 1)
-    d = scales.float().t()
     s = torch.cat([16 * d, d], 0)
-    z = torch.cat([torch.zeros_like(d), 8 * d], 0)
+    z = torch.cat([torch.zeros_like(d), 8 * d + (mins.float() if mins is not None else 0.0)], 0)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(two.contiguous(), 1)
-    return CpuPacked(packed, torch.stack([s, z], -1).to(torch.bfloat16).contiguous(), 4, EMBED_GROUP)
+    return CpuPacked(packed, torch.stack([s, z], -1).to(torch.bfloat16).contiguous(), 4, group, True)
+
+
+def head_weight(codes: torch.Tensor, scales: torch.Tensor) -> CpuPacked:
+    """Signed int8 codes `[N, K]` with a scale `d` per group of 32 as one INT4 weight (`split_int8`): it reads
+    the int8 codes' bytes, a fifth of the float32 head's, with one kernel call."""
+    return split_int8(codes.to(torch.int32), scales.float().t(), None, EMBED_GROUP)
 
 
 def int8_embedding(weight: torch.Tensor) -> Int8Embedding | None:

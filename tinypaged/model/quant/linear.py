@@ -309,7 +309,10 @@ class IntLinearMethod(LinearMethod):
         ):
             return
         codes = lowbit.unpack(layer.qweight, s.bits)
-        layer.cpu_packed = cpu.pack(codes, layer.scales, layer.zeros, layer.mins, s.bits, layer.group)
+        packed = cpu.pack(codes, layer.scales, layer.zeros, layer.mins, s.bits, layer.group)
+        if packed is None:
+            return
+        layer.cpu_packed = packed
         for name in ("qweight", "scales", "zeros", "mins"):
             if getattr(layer, name) is not None:
                 setattr(layer, name, keep_dtype(nn.Parameter(getattr(layer, name)[:0], requires_grad=False)))
