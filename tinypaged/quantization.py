@@ -12,7 +12,12 @@ engine itself (no compressed-tensors import):
 - weight-only INT4 / INT8 (`IntScheme`): compressed-tensors W4A16 / W8A16 in `format: pack-quantized`, GPTQ
   (`quant_method: gptq`) and AWQ (`quant_method: awq`, GEMM packing), and `quantization="int4"` / `"int8"` on
   a full-precision checkpoint (round to nearest at load, groups of 128 columns); GGUF blocks kept quantized
-  (`quant_method: gguf`, written by weights/gguf_convert.py: each layer's GGUF type under `layers`).
+  (`quant_method: gguf`, written by weights/gguf_convert.py: each layer's GGUF type under `layers`; fused parts
+  of different types, as a Q4_K_M file's Q4_K q and k with a Q6_K v, under one name such as "Q4_K+Q6_K").
+
+One job: each format's description of its quantization read into the same small schemes, with the same checks
+(fused parts share a scheme, the LM head stays dense) and the same one-line refusals; the readers are short and
+share those, so they stay together (the issue that built them asked for one place).
 """
 
 from __future__ import annotations
@@ -412,11 +417,14 @@ def _gguf(raw: dict[str, Any], layer: str, where: str) -> Scheme | None:
     kind = (raw.get("layers") or {}).get(layer)
     if kind is None:
         return None
-    if kind not in GGUF_TYPES:
+    parts = kind.split("+") if isinstance(kind, str) else [kind]
+    if any(part not in GGUF_TYPES for part in parts):
         raise ConfigError(
             f"{where}: layer {layer} is GGUF type {kind!r}, which tinypaged does not run kept quantized "
             f"(it runs {', '.join(GGUF_TYPES)})"
         )
+    if len(parts) > 1:  # fused parts of different types in one layout: 8-bit codes, zero points and mins
+        return IntScheme(8, min(GGUF_TYPES[part][1] for part in parts), True, "gguf", True)
     bits, group, mins = GGUF_TYPES[kind]
     return IntScheme(bits, group, False, "gguf", mins)
 

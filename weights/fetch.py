@@ -103,14 +103,21 @@ def fetch_default_model(
     return out_dir
 
 
+# The GGUF conversion's version: 2 since fused parts of different types are written in one layout (a Q4_K_M
+# file's q, k and v; gguf_convert.py). Version 1's key (no suffix) is the directories written before.
+GGUF_LAYOUT = 2
+
+
 def gguf_model_dir(gguf_path: Path, vocabulary: bool = True) -> Path:
     """The model directory of a GGUF file, its linear layers kept in their blocks: converted once into
-    `<home>/models/gguf/<name>-<key>` (the key: the file's path, size and modification time). Without
+    `<home>/models/gguf/<name>-<key>` (the key: the file's path, size and modification time, and
+    `GGUF_LAYOUT`, the conversion's version: a conversion an older tinypaged wrote is not read). Without
     `vocabulary` (the engine has a tokenizer of its own, as vLLM's `--tokenizer` for a GGUF), that directory
     if it is there, else one converted without the vocabulary, `<name>-<key>-weights`."""
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}" + (f":{GGUF_LAYOUT}" if GGUF_LAYOUT > 1 else "")
+    key = hashlib.sha256(key.encode()).hexdigest()[:12]
     out_dir = tinypaged_home() / "models" / "gguf" / f"{gguf_path.stem}-{key}"
     if not vocabulary and not is_complete(out_dir):
         out_dir = out_dir.with_name(f"{out_dir.name}-weights")

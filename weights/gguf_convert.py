@@ -57,7 +57,12 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
-_REPACKED = (".qweight", ".scales", ".mins")  # a linear layer kept in its GGUF blocks (`gguf_quant.py`)
+_REPACKED = (
+    ".qweight",
+    ".scales",
+    ".mins",
+    ".zeros",
+)  # a linear layer kept in its GGUF blocks (`gguf_quant.py`)
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -266,7 +271,7 @@ def _hf_tensors(
     type of each layer kept quantized."""
     import gguf
 
-    from .gguf_quant import repack  # imports torch: not at `tinypaged --help`
+    from .gguf_quant import one_layout_a_fused_layer, repack  # imports torch: not at `tinypaged --help`
 
     tensors: dict[str, np.ndarray] = {}
     kinds: dict[str, str] = {}
@@ -303,6 +308,8 @@ def _hf_tensors(
         tensors[name] = array
         shapes[name] = array.shape
 
+    if keep_quantized:
+        one_layout_a_fused_layer(tensors, kinds, config["num_hidden_layers"])
     expected = _expected_shapes(config, tied="lm_head.weight" not in tensors)
     missing = sorted(set(expected) - set(shapes))
     if missing:

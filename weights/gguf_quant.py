@@ -20,6 +20,11 @@ a signed byte), so `d * sc` is one float32 product, computed here as GGUF comput
 significand times an integer below 2^8). `x - y` and `x + (-y)` are the same IEEE operation, so a negated min
 changes nothing. 5-bit codes take a byte (INT8 codes): exact, at 8 bits a weight where GGUF spends 5.5 to 6; a
 5-bit packing is for the kernels' slice.
+
+Parts that the engine fuses into one matmul (q, k and v; gate and up) must share a layout. Where their types
+repack to different ones (a Q4_K_M file's Q4_K q and k with a Q6_K v), `one_layout_a_fused_layer` rewrites them
+in one that holds each exactly: 8-bit codes, the smallest group, and a zero point and a min a group, the weight
+`(code - zero) * scale + min`.
 """
 
 from __future__ import annotations
@@ -137,3 +142,36 @@ def repack(name: str, kind: str, data: np.ndarray, rows: int, cols: int) -> lowb
         group,
         None if mins is None else per_group(mins),
     )
+
+
+def one_layout_a_fused_layer(tensors: dict[str, np.ndarray], kinds: dict[str, str], layers: int) -> None:
+    """Parts that the engine fuses into one matmul (q, k and v; gate and up) but whose GGUF types repack to
+    different layouts (a Q4_K_M file's Q4_K q and k with a Q6_K v) rewritten in one: 8-bit codes, the smallest
+    group, a zero point and a min a group (`(code - zero) * scale + min`: a 4-bit type's codes as they are, its
+    scale and min repeated over the smaller groups; a symmetric type's zero point 2^(bits - 1) and min -0.0), so
+    that each weight is still the file's bit for bit. Each such part's type becomes the types joined by "+"."""
+    from tinypaged.quantization import FUSED_GROUPS, GGUF_TYPES
+
+    for i in range(layers):
+        for fused in FUSED_GROUPS:
+            names = [f"model.layers.{i}.{m}" for m in fused]
+            types = [kinds.get(n) for n in names]
+            if None in types or any(t not in GGUF_TYPES for t in types):
+                continue
+            if len({GGUF_TYPES[t] for t in types}) == 1:  # one layout already (Q5_0 and Q8_0)
+                continue
+            group = min(GGUF_TYPES[t][1] for t in types)
+            joined = "+".join(sorted(set(types)))
+            for name, kind in zip(names, types, strict=True):
+                bits, own, mins = GGUF_TYPES[kind]
+                codes = lowbit.unpack(torch.from_numpy(tensors[f"{name}.qweight"]), bits)
+                scales = np.repeat(tensors[f"{name}.scales"], own // group, axis=0)  # [K / group, N]
+                m = tensors.pop(f"{name}.mins", None)
+                tensors[f"{name}.qweight"] = lowbit.pack(codes, 8).numpy()
+                tensors[f"{name}.scales"] = scales
+                # A symmetric type's min is -0.0, which adds nothing: + 0.0 would turn a weight of -0.0 into 0.0.
+                no_min = np.full_like(scales, -0.0)
+                tensors[f"{name}.mins"] = no_min if m is None else np.repeat(m, own // group, 0)
+                zero = 0 if mins else 1 << (bits - 1)
+                tensors[f"{name}.zeros"] = np.full(scales.shape, zero, dtype=np.uint8)
+                kinds[name] = joined

@@ -151,9 +151,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> Path:
     return path
 
 
-def test_kept_quantized_model_loads_the_gguf_weights_bit_for_bit(tiny: Path, tmp_path: Path) -> None:
-    """Every type through the converter, the loader and the fused layers' parts (Q and K rows un-permuted):
-    each layer's weight, dequantized, is the f32 conversion's (gguf's dequantization) bit for bit."""
+def _loads_bit_for_bit(path: Path, out: Path) -> list:
+    """Convert `path` to f32 and kept quantized under `out`; every quantized layer's weight, dequantized, equals
+    the f32 conversion's (gguf's dequantization) bit for bit. The two models, and the quantized config's types."""
     import torch
 
     from tinypaged.config import ModelConfig
@@ -161,10 +161,10 @@ def test_kept_quantized_model_loads_the_gguf_weights_bit_for_bit(tiny: Path, tmp
     from tinypaged.model.quant import Linear
     from tinypaged.weights import convert_gguf
 
-    convert_gguf(tiny, tmp_path / "f32")
-    convert_gguf(tiny, tmp_path / "q", keep_quantized=True)
+    convert_gguf(path, out / "f32")
+    convert_gguf(path, out / "q", keep_quantized=True)
     models = [
-        load_model(ModelConfig.from_dir(tmp_path / d), torch.float32, torch.device("cpu"), 64)
+        load_model(ModelConfig.from_dir(out / d), torch.float32, torch.device("cpu"), 64)
         for d in ("f32", "q")
     ]
     dense = {n: m for n, m in models[0].named_modules() if isinstance(m, Linear)}
@@ -175,8 +175,55 @@ def test_kept_quantized_model_loads_the_gguf_weights_bit_for_bit(tiny: Path, tmp
             assert torch.equal(ours.view(torch.int32), dense[name].weight.view(torch.int32)), name
             checked += 1
     assert checked == 8  # qkv, o, gate_up and down of both layers
-    kinds = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["layers"]
+    kinds = json.loads((out / "q" / "config.json").read_text())["quantization_config"]["layers"]
+    return [*models, kinds]
+
+
+def test_kept_quantized_model_loads_the_gguf_weights_bit_for_bit(tiny: Path, tmp_path: Path) -> None:
+    """Every type through the converter, the loader and the fused layers' parts (Q and K rows un-permuted):
+    each layer's weight, dequantized, is the f32 conversion's (gguf's dequantization) bit for bit."""
+    kinds = _loads_bit_for_bit(tiny, tmp_path)[2]
     assert sorted(set(kinds.values())) == sorted(BLOCKS)
+
+
+# A Q4_K_M file's layers (Q4_K, with Q6_K for v and down), and fused parts of three different types.
+MIXED_TYPES = [
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K"}
+    | {"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_1", "attn_output": "Q5_K"}
+    | {"ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_K"},
+]
+
+
+def test_fused_parts_of_different_types_load_bit_for_bit(tmp_path: Path, gguf_path: Path, run_paged) -> None:
+    """q, k and v (or gate and up) of different types, which the engine runs as one matmul, are written in one
+    layout (8-bit codes, zero points and mins, the smallest group): still gguf's weights bit for bit, and the
+    model on the CPU's kernels computes as the f32 conversion within the kernels' bf16 rounding."""
+    import torch
+
+    from tinypaged.config import ModelConfig
+    from tinypaged.model.loader import load_model
+    from tinypaged.quantization import resolve_quantization
+
+    write_tiny_llama(tmp_path / "mixed.gguf", gguf_path, MIXED_TYPES)
+    f32, _, kinds = _loads_bit_for_bit(tmp_path / "mixed.gguf", tmp_path)
+    assert kinds["model.layers.0.self_attn.v_proj"] == "Q4_K+Q6_K" == kinds["model.layers.0.self_attn.q_proj"]
+    assert kinds["model.layers.0.mlp.gate_proj"] == "Q4_K" and kinds["model.layers.0.mlp.down_proj"] == "Q6_K"
+    assert kinds["model.layers.1.self_attn.k_proj"] == "Q4_0+Q5_1+Q8_0"
+    assert kinds["model.layers.1.mlp.up_proj"] == "Q4_1+Q8_0"
+    raw = {"quant_method": "gguf", "layers": kinds}
+    scheme = resolve_quantization(raw, None, "m", 2, False).scheme("model.layers.0.self_attn.q_proj")
+    assert (scheme.bits, scheme.group, scheme.zero_points, scheme.mins) == (8, 16, True, True)
+    cpu = load_model(
+        ModelConfig.from_dir(tmp_path / "q"), torch.float32, torch.device("cpu"), 64, cpu_kernels=True
+    )
+    packed = [m.cpu_packed is not None for m in cpu.modules() if hasattr(m, "cpu_packed")]
+    assert packed == [False, True, True, False] + [True] * 4  # groups of 16 (Q6_K) stay on the reference
+    prompts, decodes = [[5, 9, 200, 7], [30] * 9], [[11, 12], [13, 14]]
+    for got, want in zip(
+        run_paged(cpu, prompts, 4, decodes), run_paged(f32, prompts, 4, decodes), strict=True
+    ):
+        assert (got - want).abs().max() < 2e-2 * want.abs().max()
 
 
 def test_unsupported_type_fails_at_load_naming_tensor_and_type(tmp_path: Path, gguf_path: Path) -> None:

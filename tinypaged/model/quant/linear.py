@@ -234,6 +234,7 @@ class IntLinearMethod(LinearMethod):
             return {"weight": TensorLayout()}
         if s.format == "gguf":  # the layout itself (weights/gguf_quant.py)
             found = {"qweight": TensorLayout(0, 1, 1, per), "scales": TensorLayout(1, 0, 1, s.group or 1)}
+            found |= {"zeros": found["scales"]} if s.zero_points else {}  # uint8, not packed
             return found | ({"mins": found["scales"]} if s.mins else {})
         if s.format == "pack-quantized":  # [out, in] as a Linear's weight; zero points packed along out
             found = {
@@ -274,6 +275,10 @@ class IntLinearMethod(LinearMethod):
             layer.qweight[part].copy_(src)
         elif suffix == "mins":
             layer.mins[:, part].copy_(src.float())
+        elif suffix == "zeros":  # a GGUF conversion's, one byte each (weights/gguf_convert.py)
+            if src.dtype != torch.uint8:
+                raise ConfigError(f"{layer.name}.zeros is {src.dtype}, expected torch.uint8 for {s}")
+            layer.zeros[:, part].copy_(src)
         elif suffix == "qweight":
             layer.qweight[part].copy_(lowbit.from_gptq(src) if s.format != "awq" else lowbit.from_awq(src))
         elif suffix in ("weight_scale", "scales"):
