@@ -49,7 +49,7 @@ def test_int8_per_row_kernel_matches_the_reference() -> None:
     _close(lowbit.wint_linear(x, w._replace(cpu=packed)), x, lowbit.dequantize_weight(w))
 
 
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [16, 32, 128])
 @pytest.mark.parametrize("kind", ["sym", "asym", "mins"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_grouped_int8_runs_split_in_nibbles_on_the_int4_kernel(group: int, kind: str, rows: int) -> None:
@@ -70,6 +70,7 @@ def test_grouped_int8_runs_split_in_nibbles_on_the_int4_kernel(group: int, kind:
     x = torch.randn(rows, k, generator=g)
     packed = cpu.pack(lowbit.unpack(w.qweight, 8), w.scales, w.zeros, w.mins, 8, group)
     assert cpu.packable(8, group, n, k, kind == "asym", kind == "mins") and packed.doubled
+    assert packed.padded == (group == 16)  # Q6_K's groups of 16, padded to the kernel's 32
     got = lowbit.wint_linear(x, w._replace(cpu=packed))
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     _close(got, x, lowbit.dequantize_weight(w))

@@ -198,7 +198,8 @@ MIXED_TYPES = [
 def test_fused_parts_of_different_types_load_bit_for_bit(tmp_path: Path, gguf_path: Path, run_paged) -> None:
     """q, k and v (or gate and up) of different types, which the engine runs as one matmul, are written in one
     layout (8-bit codes, zero points and mins, the smallest group): still gguf's weights bit for bit, and the
-    model on the CPU's kernels computes as the f32 conversion within the kernels' bf16 rounding."""
+    model on the CPU's kernels (every layer packed: groups of 16 padded) computes as the f32 conversion within the
+    kernels' bf16 rounding."""
     import torch
 
     from tinypaged.config import ModelConfig
@@ -218,12 +219,43 @@ def test_fused_parts_of_different_types_load_bit_for_bit(tmp_path: Path, gguf_pa
         ModelConfig.from_dir(tmp_path / "q"), torch.float32, torch.device("cpu"), 64, cpu_kernels=True
     )
     packed = [m.cpu_packed is not None for m in cpu.modules() if hasattr(m, "cpu_packed")]
-    assert packed == [False, True, True, False] + [True] * 4  # groups of 16 (Q6_K) stay on the reference
+    assert all(packed) and len(packed) == 8  # groups of 16 (Q6_K's) padded to the kernel's 32
     prompts, decodes = [[5, 9, 200, 7], [30] * 9], [[11, 12], [13, 14]]
     for got, want in zip(
         run_paged(cpu, prompts, 4, decodes), run_paged(f32, prompts, 4, decodes), strict=True
     ):
         assert (got - want).abs().max() < 2e-2 * want.abs().max()
+
+
+def test_a_q4_k_m_layer_runs_in_the_cpu_decode_graph(tmp_path: Path, gguf_path: Path, monkeypatch) -> None:
+    """The mixed layout (zero points and mins) and Q6_K's padded groups of 16 through the CPU's compiled decode
+    step (model/cpu_graph.py): the same tokens and logprobs as the eager engine."""
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.model import cpu_graph
+
+    monkeypatch.setenv(cpu_graph.ENV, "1")
+    monkeypatch.setattr(cpu_graph, "graph_dir", lambda: tmp_path / "graphs")
+    write_tiny_llama(tmp_path / "mixed.gguf", gguf_path, MIXED_TYPES)
+    llm = LLM(model=tmp_path / "mixed.gguf", seed=0)
+    runner = llm.engine.runner
+    graph = runner.cpu_graph
+    assert graph is not None and [lin.padded for lin in graph.spec.layers[0].linears] == [
+        True,
+        False,
+        False,
+        True,
+    ]
+    assert graph.wait(600) == "loaded"
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 200, 7], [30] * 21)]
+    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    runner.cpu_graph = None
+    want = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
+            assert max(abs(lg[t].logprob - lw[t].logprob) for t in lg.keys() & lw.keys()) < 2e-2
+    llm.shutdown()
 
 
 def test_unsupported_type_fails_at_load_naming_tensor_and_type(tmp_path: Path, gguf_path: Path) -> None:

@@ -12,7 +12,7 @@ Which models: the Llama family and the relatives whose switches are biases (Qwen
 sliding windows (Mistral, Qwen's windowed layers), on one rank, with float32 activations and KV cache and every
 linear layer on torch's packed CPU kernels (quant/cpu.py): 4-bit weights, grouped 8-bit ones split in nibbles
 and per-row INT8 (a GGUF's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0, GPTQ / AWQ / compressed-tensors,
-`quantization="int4"` or "int8"). Anything else (Gemma 3, Q6_K's groups of 16, an FP8 cache), and prefill, mixed
+`quantization="int4"` or "int8"; Q6_K's groups of 16 padded). Anything else (Gemma 3, an FP8 cache), and prefill, mixed
 and speculative steps, run eagerly.
 
 The library depends on the model's shapes, not its weights: the weights, the KV cache and the step's tensors are
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tinypaged.model.quant.cpu import CpuPacked
+from tinypaged.model.quant.cpu import CpuPacked, pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Linear:
     bias: bool = False
     doubled: bool = False  # an 8-bit weight split in nibbles over the input row repeated (quant/cpu.py)
     bits: int = 4  # the kernel's: 4, or 8 for INT8 with one scale a row (`_weight_int8pack_mm`)
+    padded: bool = False  # its groups of 16 padded to 32 over zero inputs (Q6_K, quant/cpu.py)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def spec_of(model: torch.nn.Module, kv_cache: torch.Tensor) -> Spec | None:
                 return None
             bias = lin.bias is not None
             shapes = (_shape(p.codes), _shape(p.scales))
-            packed.append(Linear(p.group, lin.out_features, *shapes, bias, p.doubled, p.bits))
+            packed.append(Linear(p.group, lin.out_features, *shapes, bias, p.doubled, p.bits, p.padded))
         layers.append(Layer(packed, attn.window, attn.qk_norm))
     first = model.layers[0].self_attn
     return Spec(
@@ -220,6 +221,8 @@ def _linear(x: torch.Tensor, lin: Linear, w: list[torch.Tensor]) -> torch.Tensor
     takes the layer's tensors from the front of `w`."""
     codes, scales = w.pop(0), w.pop(0)
     xb = x.to(torch.bfloat16)
+    if lin.padded:
+        xb = pad_rows(xb)
     if lin.doubled:
         xb = torch.cat([xb, xb], -1)
     if lin.bits == 8:
