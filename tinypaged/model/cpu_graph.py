@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tinypaged.model.quant.cpu import CpuPacked, pad_rows
+from tinypaged import ops
+from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -217,19 +218,10 @@ def _placeholders(spec: Spec, layer: Layer) -> list[torch.Tensor]:
 
 
 def _linear(x: torch.Tensor, lin: Linear, w: list[torch.Tensor]) -> torch.Tensor:
-    """`packed_linear` (model/quant/cpu.py): bf16 rows through torch's kernels, back in float32 (plus the bias);
-    takes the layer's tensors from the front of `w`."""
-    codes, scales = w.pop(0), w.pop(0)
-    xb = x.to(torch.bfloat16)
-    if lin.padded:
-        xb = pad_rows(xb)
-    if lin.doubled:
-        xb = torch.cat([xb, xb], -1)
-    if lin.bits == 8:
-        y = torch.ops.aten._weight_int8pack_mm(xb, codes, scales).float()
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, codes, lin.group, scales).float()
-    return y + w.pop(0) if lin.bias else y
+    """The eager layer's own `packed_linear` (model/quant/cpu.py), traced; takes the layer's tensors from the
+    front of `w`."""
+    packed = CpuPacked(w.pop(0), w.pop(0), lin.bits, lin.group, lin.doubled, lin.padded)
+    return packed_linear(x, packed, w.pop(0) if lin.bias else None)
 
 
 def _attention(
@@ -482,8 +474,7 @@ class CpuGraph:
         slots = meta.slot_mapping.long()
         lens = meta.seq_lens
         length = meta.max_seq_len or int(lens.max())
-        pos = torch.arange(length)
-        ctx = (meta.block_tables[:, pos // bs].long() * bs + pos % bs).clamp_(min=0)  # ops._context_slots
+        ctx = ops._context_slots(meta.block_tables, length, bs)
         x = self.model.embed_tokens(input_ids)
         steps = [
             x,
