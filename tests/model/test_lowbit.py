@@ -310,6 +310,22 @@ def test_round_to_nearest_at_load(tmp_path: Path, quantization: str, bits: int, 
         assert ((got - w).abs() <= step / 2 * (1 + 1e-5)).all()
 
 
+def test_layers_the_cpu_kernels_do_not_take_are_named(tmp_path: Path) -> None:
+    """`cpu_reference_layers` (the engine's `RunnerStats.cpu_reference_layers`): none once packed for torch's
+    kernels, every weight-only layer where the layout is left as loaded."""
+    from tinypaged.model.quant import cpu_reference_layers
+
+    _hf_model().save_pretrained(tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    # A fused layer is named by its first part (q_proj, gate_proj).
+    named = [f"model.layers.{i}.{_module(f, p[0])}" for i in (0, 1) for f, p in PARTS.items()]
+    for cpu_kernels, want in ((True, []), (False, named)):
+        ours = load_model(
+            cfg, torch.float32, torch.device("cpu"), 64, quantization="int8", cpu_kernels=cpu_kernels
+        )
+        assert cpu_reference_layers(ours) == want
+
+
 def _ct(fmt: str, **weights: object) -> dict:
     group = {
         "targets": ["Linear"],

@@ -238,6 +238,7 @@ def test_a_q4_k_m_layer_runs_in_the_cpu_decode_graph(tmp_path: Path, gguf_path: 
     write_tiny_llama(tmp_path / "mixed.gguf", gguf_path, MIXED_TYPES)
     llm = LLM(model=tmp_path / "mixed.gguf", seed=0)
     runner = llm.engine.runner
+    assert runner.stats.cpu_reference_layers == 0  # every layer on torch's kernels
     graph = runner.cpu_graph
     assert graph is not None and [lin.padded for lin in graph.spec.layers[0].linears] == [
         True,

@@ -40,7 +40,7 @@ from tinypaged.errors import ConfigError
 from tinypaged.model import AttentionMetadata, cpu_graph, load_model
 from tinypaged.model.llama import Attention
 from tinypaged.model.parallel import TPGroup
-from tinypaged.model.quant import Linear
+from tinypaged.model.quant import Linear, cpu_reference_layers
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,9 @@ class RunnerStats:
     compile_cache: str = ""  # Triton's cache directory and what it held at the start (GPU only)
     load_s: float = 0.0
     weights_bytes: int = 0
+    # Weight-only layers on the CPU that torch's packed kernels do not take: each dequantizes its whole weight
+    # every call (model/quant/linear.py, `cpu_reference_layers`); 0 for every type the kernels run
+    cpu_reference_layers: int = 0
     profile_activation_bytes: int = 0
     non_torch_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -179,6 +182,15 @@ class ModelRunner:
         if self.device.type == "cpu" and _float32_products(self.model):
             cpu_linear.transposed_rows()  # measured now, once a process, not inside a request's first step
         self.stats.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        slow = cpu_reference_layers(self.model)
+        self.stats.cpu_reference_layers = len(slow)
+        if slow:
+            logger.warning(
+                "%d weight-only layers run the dequantizing reference on the CPU (torch's packed kernels do not "
+                "take them), e.g. %s: slow",
+                len(slow),
+                slow[0],
+            )
         # A draft model (speculative decoding) loads before the KV cache is sized, on the driver's rank alone:
         # its weights and its pools share the target's budget (draft_weights.py).
         self.draft: DraftWeights | None = None

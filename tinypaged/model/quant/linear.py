@@ -350,6 +350,19 @@ class IntLinearMethod(LinearMethod):
 UNQUANTIZED = LinearMethod()
 
 
+def cpu_reference_layers(model: nn.Module) -> list[str]:
+    """The weight-only layers of a model on the CPU that torch's packed kernels did not take (`pack_for_cpu`):
+    they run the reference, which dequantizes the whole weight every call (lowbit.ref_wint_linear)."""
+    return [
+        m.name
+        for m in model.modules()
+        if isinstance(m, Linear)
+        and isinstance(m.method, IntLinearMethod)
+        and m.qweight.device.type == "cpu"
+        and m.cpu_packed is None
+    ]
+
+
 def linear_method(scheme: Scheme | None) -> LinearMethod:
     """The method that runs a layer of this scheme (None: unquantized)."""
     if scheme is None:
