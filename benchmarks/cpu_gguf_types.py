@@ -24,7 +24,8 @@ Each type (one engine at a time; 2 cores):
   do not take (`RunnerStats.cpu_reference_layers`: they dequantize their weight every call), 0 expected.
 - tok/s: the 8 chat prompts of cpu_lowbit.py, greedy, 64 new tokens each (EOS ignored), one request at a time,
   tinypaged with its compiled decode graph (waited for: built once a shape, then loaded) and llama.cpp on the
-  same file interleaved prompt by prompt (`--rounds` passes), as cpu_lowbit.py times them.
+  same file interleaved prompt by prompt (`--rounds` passes), as cpu_lowbit.py times them; `steal`: the CPU
+  seconds the hypervisor took meanwhile (/proc/stat).
 - greedy: 24 tokens on cpu_lowbit.py's 33 agreement prompts, sequences equal from the first token to the last:
   tinypaged against the engine on the same file dequantized to float32 (`= deq`), against llama.cpp on the file
   (`= llama.cpp`), and llama.cpp against the dequantized engine (`llama.cpp = deq`: its own rounding's rate).
@@ -209,9 +210,11 @@ def measure_type(path: Path, ids: list[list[int]], many: list[list[int]], rounds
     res["weights_bytes"], res["cpu_reference_layers"] = stats.weights_bytes, stats.cpu_reference_layers
     lc = llama_cpp_runner(path)
     assert lc is not None
+    steal = _steal_s()
     tps = single_interleaved(
         {"ours": functools.partial(ours_run, q), "llama_cpp": lc}, ids, NEW_TOKENS, rounds
     )
+    res["steal_s"] = _steal_s() - steal
     res["ours_single_tps"], res["llama_cpp_single_tps"] = tps["ours"], tps["llama_cpp"]
     ours_tokens = greedy(q, many)
     res["ours_lp_err"] = _err(ours_scored(q, seqs), deq_lp)
@@ -258,6 +261,14 @@ def check_f32(path: Path, many: list[list[int]], f32: tuple[list[list[int]], np.
         "llama_cpp_agree_f32": [_same(tokens, f32[0]), len(many)],
         "llama_cpp_lp_err_f32": _err(llama_cpp_scored(path, seqs), f32[1]),
     }
+
+
+def _steal_s() -> float:
+    """CPU seconds the hypervisor gave other guests (/proc/stat's steal, all CPUs): a timing it grew during was
+    slowed by the host, not by either engine."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def _llama_cpp_version() -> str | None:
@@ -345,7 +356,7 @@ def _print_table(res: dict[str, Any]) -> None:
                     str(r["cpu_reference_layers"]),
                     f"{r['ours_single_tps']:.1f} ({r['cpu_graph']})",
                     f"{r['llama_cpp_single_tps']:.1f}",
-                    f"{r['ours_single_tps'] / r['llama_cpp_single_tps']:.2f}x",
+                    f"{r['ours_single_tps'] / r['llama_cpp_single_tps']:.2f}x (steal {r['steal_s']:.0f} s)",
                     frac(r["agree_deq"]),
                     frac(r["agree_llama_cpp"]),
                     frac(r["llama_cpp_agree_deq"]),
