@@ -13,7 +13,12 @@ Two parts, each a run of its own (under 10 minutes on one H200), the engines one
   [256, 1024] (random token ids, EOS ignored, seed 2); `max_num_seqs` 1024; the KV cache capped at the bytes of
   `--bf16-blocks` bf16 blocks (default 12,800 blocks of 16 tokens: 64 sequences of the mean final length,
   3,200 tokens; 25 GiB on the 8B shape), which hold twice as many FP8 blocks. Printed: peak KV tokens held,
-  peak sequences in one step, preemptions, output tokens/s.
+  peak sequences in one step, preemptions, output tokens/s. `--kv-engines` picks the engines (the first, bf16
+  KV, is the ratios' base).
+
+An engine name ending in `/gluon` runs its FP8-KV decode steps through the Gluon kernel (kernels/attention_fp8.py)
+for its life, one ending in `/triton` through the Triton kernel, whatever `TINYPAGED_FP8_ATTN_MMA` says, so that
+both attention kernels run in one process.
 
     tinypaged weights random --config llama-3.1-8b --out /tmp/llama-3.1-8b
     python benchmarks/fp8.py --model /tmp/llama-3.1-8b --part speed --json benchmarks/results/fp8-speed.json
@@ -27,10 +32,11 @@ and the embedding stay bf16 under FP8 weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -58,6 +64,7 @@ from common import (
 )
 from throughput import ideal_decode_steps, run_ours
 
+import tinypaged.kernels as tk
 from tinypaged import LLM
 from tinypaged.config import ModelConfig
 
@@ -66,7 +73,42 @@ ENGINES: dict[str, dict[str, Any]] = {
     "bf16+kv8": {"kv_cache_dtype": "fp8"},
     "fp8": {"quantization": "fp8"},
     "fp8+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    # FP8-KV decode steps through the Gluon kernel (kernels/attention_fp8.py, on by default from `MIN_PROGRAMS`
+    # programs) or the Triton kernel alone, for the engine's life: both side by side in one process
+    "fp8+kv8/gluon": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "fp8+kv8/triton": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "fp8+kv8/gluon-waves": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
+
+
+def splits_in_waves(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, q: torch.Tensor, sms: int | None = None
+) -> int:
+    """A candidate split rule for the Gluon kernel (engine `/gluon-waves`), from run 118's uniform batches: up to
+    half a wave of programs, fill one wave (the kernel's rule); past it, about two waves of split programs
+    (128 sequences: 3 splits, 256: 2), where the kernel's rule leaves a second wave a third full."""
+    slots = tk.attention_fp8.PROGRAMS_PER_SM * (sms or tk.attention_configs.num_sms(q.device))
+    programs = num_seqs * num_kv_heads
+    most = max(1, min(64, max_seq_len // (4 * tk.attention_fp8.BLOCK_N)))
+    if 2 * programs <= slots:
+        return max(1, min(most, slots // programs))
+    return max(1, min(most, round(2 * slots / programs)))
+
+
+@contextlib.contextmanager
+def attention_of(name: str) -> Iterator[None]:
+    """The FP8-KV decode attention an engine name asks for (`/gluon`: the Gluon kernel switched on, with its split
+    rule; `/gluon-waves`: with `splits_in_waves` (run 120); `/triton`: the Triton kernel alone; else the process's
+    own, `TINYPAGED_FP8_ATTN_MMA`'s)."""
+    before = tk.attention_fp8.FP8_DECODE_MMA, tk.attention_fp8.splits
+    if "/gluon" in name or name.endswith("/triton"):
+        tk.attention_fp8.FP8_DECODE_MMA = "/gluon" in name
+    if name.endswith("/gluon-waves"):
+        tk.attention_fp8.splits = splits_in_waves
+    try:
+        yield
+    finally:
+        tk.attention_fp8.FP8_DECODE_MMA, tk.attention_fp8.splits = before
 
 
 # ---- rooflines with FP8 bytes ----------------------------------------------------------------------------------
@@ -177,89 +219,110 @@ def part_speed(args: argparse.Namespace, res: dict[str, Any]) -> None:
         llm = LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=32)
         ref = reference_of(llm, scored, greedy_prompts, args.greedy_tokens)
         free_llm(llm)
+    else:
+        ref = None
     work = make_workload(args.num_requests, cfg.vocab_size, args.seed, args.prompt_range, args.output_range)
     for name in args.engines:
-        extra = ENGINES[name]
-        out: dict[str, Any] = res.setdefault("engines", {}).setdefault(name, {"args": extra})
-        t0 = time.perf_counter()
-        try:
-            llm = LLM(model=args.model, **w1_engine_args(args), **extra)
-        except Exception as e:
-            traceback.print_exc()
-            out["error"] = f"{type(e).__name__}: {e}"
-            continue
-        out["init_s"] = time.perf_counter() - t0
-        out["num_gpu_blocks"] = llm.engine.runner.num_gpu_blocks
-        out["weights_bytes"] = llm.engine.runner.stats.weights_bytes
-        fp8_w, kv_elem = "quantization" in extra, 1 if "kv_cache_dtype" in extra else 2
-        if not args.skip_accuracy:
-            got = guarded(
-                out,
-                "accuracy_raw",
-                lambda llm=llm: reference_of(llm, scored, greedy_prompts, args.greedy_tokens),
-            )
-            if "error" not in got:
-                out["accuracy"] = accuracy(out.pop("accuracy_raw"), ref)
-        w1 = guarded(out, "w1", lambda llm=llm: run_ours(llm, work))
-        if "output_tokens_per_s" in w1:
-            w1["roofline_s"] = w1_roofline(cfg, work, fp8_w, kv_elem, args.fp8_tflops)
-            w1["fraction_of_roofline"] = w1["roofline_s"] / w1["elapsed_s"]
-        lat = guarded(out, "batch1", lambda llm=llm: run_latency(llm, modes=("graphs",)))
-        if "graphs" in lat:
-            ctx = lat["prompt_len"] + lat["gen_tokens"] / 2
-            step_bytes = weight_bytes(cfg, fp8_w) + ctx * kv_bytes_per_token(cfg, kv_elem)
-            lat["roofline_tokens_per_s"] = COPY_TBPS * 1e12 / step_bytes
-            lat["fraction_of_roofline"] = lat["graphs"]["decode_tokens_per_s"] / lat["roofline_tokens_per_s"]
-        if args.profile:
-            guarded(out, "profile", lambda llm=llm: profile_decode(llm, work))
-        free_llm(llm)
-        write_json(args.json, res)
+        with attention_of(name):
+            speed_engine(args, res, name, cfg, work, scored, greedy_prompts, ref)
+
+
+def speed_engine(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    name: str,
+    cfg: ModelConfig,
+    work: list[Work],
+    scored: Any,
+    greedy_prompts: Any,
+    ref: Any,
+) -> None:
+    """One engine of the speed part: W1, batch 1, accuracy against `ref` (the f32 engine's) and the profile."""
+    extra = ENGINES[name]
+    out: dict[str, Any] = res.setdefault("engines", {}).setdefault(name, {"args": extra})
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(model=args.model, **w1_engine_args(args), **extra)
+    except Exception as e:
+        traceback.print_exc()
+        out["error"] = f"{type(e).__name__}: {e}"
+        return
+    out["init_s"] = time.perf_counter() - t0
+    out["num_gpu_blocks"] = llm.engine.runner.num_gpu_blocks
+    out["weights_bytes"] = llm.engine.runner.stats.weights_bytes
+    fp8_w, kv_elem = "quantization" in extra, 1 if "kv_cache_dtype" in extra else 2
+    if not args.skip_accuracy:
+        got = guarded(
+            out,
+            "accuracy_raw",
+            lambda llm=llm: reference_of(llm, scored, greedy_prompts, args.greedy_tokens),
+        )
+        if "error" not in got:
+            out["accuracy"] = accuracy(out.pop("accuracy_raw"), ref)
+    w1 = guarded(out, "w1", lambda llm=llm: run_ours(llm, work))
+    if "output_tokens_per_s" in w1:
+        w1["roofline_s"] = w1_roofline(cfg, work, fp8_w, kv_elem, args.fp8_tflops)
+        w1["fraction_of_roofline"] = w1["roofline_s"] / w1["elapsed_s"]
+    lat = guarded(out, "batch1", lambda llm=llm: run_latency(llm, modes=("graphs",)))
+    if "graphs" in lat:
+        ctx = lat["prompt_len"] + lat["gen_tokens"] / 2
+        step_bytes = weight_bytes(cfg, fp8_w) + ctx * kv_bytes_per_token(cfg, kv_elem)
+        lat["roofline_tokens_per_s"] = COPY_TBPS * 1e12 / step_bytes
+        lat["fraction_of_roofline"] = lat["graphs"]["decode_tokens_per_s"] / lat["roofline_tokens_per_s"]
+    if args.profile:
+        guarded(out, "profile", lambda llm=llm: profile_decode(llm, work))
+    free_llm(llm)
+    write_json(args.json, res)
 
 
 def part_kv_bound(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    for name in ("fp8", "fp8+kv8"):
-        extra = ENGINES[name]
-        blocks = args.bf16_blocks * (2 if "kv_cache_dtype" in extra else 1)
-        llm = LLM(
-            model=args.model,
-            max_model_len=8192,
-            max_num_seqs=1024,
-            max_num_batched_tokens=8192,
-            num_gpu_blocks_override=blocks,
-            **extra,
-        )
-        cfg = llm.config.model_config
-        work = make_workload(
-            args.kv_requests, cfg.vocab_size, 2, tuple(args.kv_prompts), tuple(args.kv_outputs)
-        )
-        prompts = [{"prompt_token_ids": p} for p, _ in work]
-        llm.generate(prompts[:2], greedy(4))  # warm-up
-        t0 = time.perf_counter()
-        outs, stats = generate_with_stats(llm, prompts, [greedy(o) for _, o in work])
-        elapsed = time.perf_counter() - t0
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        res.setdefault("kv_bound", {})[name] = {
-            "num_gpu_blocks": blocks,
-            "kv_cache_bytes": llm.engine.runner.stats.kv_cache_bytes,
-            "elapsed_s": elapsed,
-            "output_tokens": n_out,
-            "output_tokens_per_s": n_out / elapsed,
-            "peak_kv_tokens": max(s.num_kv_tokens for s in stats),
-            "peak_seqs": max(s.num_seqs for s in stats),
-            "mean_decode_seqs": statistics.mean(
-                [s.num_seqs for s in stats if s.num_seqs and not s.num_prefill_tokens] or [0]
-            ),
-            "preempted": sum(s.num_preempted for s in stats),
-            "steps": len(stats),
-            # Host wall time of the calls whose step ran prefill tokens, and of the others (decode only): what
-            # FP8 KV's larger batches can shorten is the second.
-            "prefill_steps_s": sum(s.total_s for s in stats if s.num_prefill_tokens),
-            "decode_steps_s": sum(s.total_s for s in stats if not s.num_prefill_tokens),
-            "prompts": args.kv_prompts,
-            "outputs": args.kv_outputs,
-        }
-        free_llm(llm)
-        write_json(args.json, res)
+    for name in args.kv_engines:
+        with attention_of(name):
+            kv_bound_engine(args, res, name)
+
+
+def kv_bound_engine(args: argparse.Namespace, res: dict[str, Any], name: str) -> None:
+    """One engine of the KV-bound part (`--kv-engines`)."""
+    extra = ENGINES[name]
+    blocks = args.bf16_blocks * (2 if "kv_cache_dtype" in extra else 1)
+    llm = LLM(
+        model=args.model,
+        max_model_len=8192,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        num_gpu_blocks_override=blocks,
+        **extra,
+    )
+    cfg = llm.config.model_config
+    work = make_workload(args.kv_requests, cfg.vocab_size, 2, tuple(args.kv_prompts), tuple(args.kv_outputs))
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    llm.generate(prompts[:2], greedy(4))  # warm-up
+    t0 = time.perf_counter()
+    outs, stats = generate_with_stats(llm, prompts, [greedy(o) for _, o in work])
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res.setdefault("kv_bound", {})[name] = {
+        "num_gpu_blocks": blocks,
+        "kv_cache_bytes": llm.engine.runner.stats.kv_cache_bytes,
+        "elapsed_s": elapsed,
+        "output_tokens": n_out,
+        "output_tokens_per_s": n_out / elapsed,
+        "peak_kv_tokens": max(s.num_kv_tokens for s in stats),
+        "peak_seqs": max(s.num_seqs for s in stats),
+        "mean_decode_seqs": statistics.mean(
+            [s.num_seqs for s in stats if s.num_seqs and not s.num_prefill_tokens] or [0]
+        ),
+        "preempted": sum(s.num_preempted for s in stats),
+        "steps": len(stats),
+        # Host wall time of the calls whose step ran prefill tokens, and of the others (decode only): what
+        # FP8 KV's larger batches can shorten is the second.
+        "prefill_steps_s": sum(s.total_s for s in stats if s.num_prefill_tokens),
+        "decode_steps_s": sum(s.total_s for s in stats if not s.num_prefill_tokens),
+        "prompts": args.kv_prompts,
+        "outputs": args.kv_outputs,
+    }
+    free_llm(llm)
+    write_json(args.json, res)
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -311,12 +374,14 @@ def print_table(res: dict[str, Any]) -> None:
                 f"{k['preempted']:7d} {k['output_tokens_per_s']:9.1f} {k['elapsed_s']:9.1f} "
                 f"{k.get('prefill_steps_s', float('nan')):9.1f} {k.get('decode_steps_s', float('nan')):9.1f}"
             )
-        if len(kv) == 2:
-            a, b = kv["fp8"], kv["fp8+kv8"]
+        a = kv.get("fp8")
+        for name, b in kv.items():
+            if a is None or name == "fp8":
+                continue
             print(
-                f"FP8 KV / bf16 KV: tokens held {b['peak_kv_tokens'] / a['peak_kv_tokens']:.2f}x, peak sequences "
+                f"{name} / bf16 KV: tokens held {b['peak_kv_tokens'] / a['peak_kv_tokens']:.2f}x, peak sequences "
                 f"{b['peak_seqs'] / a['peak_seqs']:.2f}x, throughput "
-                f"{b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x"
+                f"{b['output_tokens_per_s'] / a['output_tokens_per_s']:.3f}x"
             )
 
 
@@ -324,7 +389,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model directory (e.g. from `tinypaged weights random`)")
     ap.add_argument("--part", choices=("speed", "kv-bound"), required=True)
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument(
+        "--engines", nargs="+", default=["bf16", "bf16+kv8", "fp8", "fp8+kv8"], choices=list(ENGINES)
+    )
+    ap.add_argument(
+        "--kv-engines",
+        nargs="+",
+        default=["fp8", "fp8+kv8"],
+        choices=[e for e in ENGINES if e.startswith("fp8")],
+        help="kv-bound: the engines (FP8 weights; the first is the base of the ratios)",
+    )
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--fp8-tflops", type=float, default=1196.0, help="the FP8 matmul rate (8192^3, measured)")
     ap.add_argument("--bf16-blocks", type=int, default=12800)

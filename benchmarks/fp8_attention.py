@@ -8,7 +8,8 @@ Timing: decode steps of 64-256 sequences at 512-2048 tokens of context (8B shape
 variant of the decode tile and through the Gluon kernel (`fp8 gluon`). Bytes are the K/V bytes read; the FP8
 cache reads half of bf16's. `--batches` / `--contexts` pick other steps; `--ragged` draws each sequence's context
 uniform in [ctx / 4, 7 ctx / 4) and passes the engine's longest-first order; `--gluon-splits` also times the
-Gluon kernel at forced split counts (its split rule's sweep).
+Gluon kernel at forced split counts (its split rule's sweep); `--prefill` times prompt-chunk steps over both
+caches (the chunked prefill of the KV-bound workload reads the FP8 cache).
 
     python3 benchmarks/fp8_attention.py --json $OUT/fp8-attention.json
 """
@@ -55,12 +56,15 @@ def _with(cfg: AttnConfig, **kw: Any) -> AttnConfig:
 
 @contextlib.contextmanager
 def gluon(on: bool = True) -> Iterator[None]:
-    """Decode steps over an FP8 cache through the Gluon kernel (kernels/attention_fp8.py) while active."""
-    before, tk.attention_fp8.FP8_DECODE_MMA = tk.attention_fp8.FP8_DECODE_MMA, on
+    """Decode steps over an FP8 cache through the Gluon kernel (kernels/attention_fp8.py) at any batch while
+    active (`on`), or through the Triton kernel (not `on`)."""
+    mod = tk.attention_fp8
+    before = mod.FP8_DECODE_MMA, mod.MIN_PROGRAMS
+    mod.FP8_DECODE_MMA, mod.MIN_PROGRAMS = on, 0
     try:
         yield
     finally:
-        tk.attention_fp8.FP8_DECODE_MMA = before
+        mod.FP8_DECODE_MMA, mod.MIN_PROGRAMS = before
 
 
 def checks(res: dict[str, Any]) -> None:
@@ -94,7 +98,7 @@ def checks(res: dict[str, Any]) -> None:
                 # A Gluon variant that the launcher did not route to the kernel (`usable` false on this device)
                 # would only check the Triton kernel again: a failure, not a pass.
                 with gluon(on):
-                    routed = tk.attention_fp8.usable(q, kv8, None, 1)
+                    routed = tk.attention_fp8.usable(q, kv8, None, 1, len(q_lens))
                 ok = err < 5e-3 and routed == on
                 res["checks"].append(
                     {"case": name, "q_dtype": str(dtype), "variant": variant, "rel_err": err, "gluon": routed,
@@ -149,15 +153,18 @@ def timing(
             fp8_sets = [(s, *to_fp8(s[1])) for s in sets]
             for variant, cfgs in variants(sets[0][0]).items():
                 try:
-                    row[f"fp8 {variant}_us"] = (
-                        graph_ms([run(s, c, cfgs, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
-                    )
+                    with gluon(False):
+                        row[f"fp8 {variant}_us"] = (
+                            graph_ms([run(s, c, cfgs, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
+                        )
                 except Exception as e:  # a tile past the shared memory: recorded, the others go on
                     row[f"fp8 {variant}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
             try:
                 with gluon():
                     # timed only where the launcher routes to it: else the column would time the Triton kernel
-                    assert tk.attention_fp8.usable(sets[0][0], fp8_sets[0][1], None, 1), "not routed to Gluon"
+                    assert tk.attention_fp8.usable(sets[0][0], fp8_sets[0][1], None, 1, batch), (
+                        "not routed to Gluon"
+                    )
                     row["fp8 gluon_us"] = (
                         graph_ms([run(s, c, None, ks, vs) for s, c, ks, vs in fp8_sets]) * 1e3
                     )
@@ -178,10 +185,43 @@ def timing(
             torch.cuda.empty_cache()
 
 
+def prefill_timing(res: dict[str, Any], shapes: list[str]) -> None:
+    """Steps of prompt chunks only, over the bf16 cache and the FP8 one (the default tiles): each shape
+    `NxQ[+C]` is N sequences of Q new tokens after C cached ones (causal), as chunked prefill runs them."""
+    for shape in shapes:
+        row = prefill_row(shape)
+        res.setdefault("prefill", []).append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+
+
+def prefill_row(shape: str) -> dict[str, Any]:
+    """One `--prefill` shape timed over both caches."""
+    n, rest = shape.split("x")
+    new, _, ctx = rest.partition("+")
+    q_lens, ctx_lens = [int(new)] * int(n), [int(ctx or 0)] * int(n)
+    q, kv, bt, sl, qsl = paged_batch(q_lens, ctx_lens, HQ, HKV, D, BS, seed=0)
+    q8, k_scale, v_scale = to_fp8(kv)
+    # causal FLOPs: each new token against its own context (QK and PV, 2 FLOPs a multiply-add)
+    flops = sum(4 * HQ * D * (c * qn + qn * (qn + 1) / 2) for qn, c in zip(q_lens, ctx_lens, strict=True))
+
+    def run(cache: torch.Tensor, ks: float = 1.0, vs: float = 1.0):
+        return lambda: tk.paged_attention(
+            q, cache, bt, sl, qsl, D**-0.5, max_query_len=int(new), max_seq_len=int(sl.max()),
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+
+    row: dict[str, Any] = {"shape": shape, "tokens": sum(q_lens), "gflop": flops / 1e9}
+    row["bf16_us"] = graph_ms([run(kv)]) * 1e3
+    row["fp8_us"] = graph_ms([run(q8, k_scale, v_scale)]) * 1e3
+    row["bf16_tflops"], row["fp8_tflops"] = (flops / row[k] / 1e6 for k in ("bf16_us", "fp8_us"))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256], help="decode sequences timed")
+    ap.add_argument("--batches", type=int, nargs="*", default=[64, 128, 256], help="decode sequences timed")
     ap.add_argument(
         "--contexts", type=int, nargs="+", default=[512, 1024, 2048], help="their context lengths"
     )
@@ -192,14 +232,29 @@ def main() -> None:
         "--ragged", action="store_true", help="contexts uniform in [ctx / 4, 7 ctx / 4), longest first"
     )
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument(
+        "--prefill",
+        nargs="*",
+        default=[],
+        metavar="NxQ[+C]",
+        help="also prompt-chunk steps (e.g. 2x4096, 4x1024+2048)",
+    )
     args = ap.parse_args()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "checks": [], "decode": []}
     if not args.skip_checks:
         checks(res)
         write_json(args.json, res)
+    if args.prefill:
+        prefill_timing(res, args.prefill)
+        write_json(args.json, res)
     timing(res, args.batches, args.contexts, args.gluon_splits, args.ragged)
     write_json(args.json, res)
-    names = [k[:-3] for k in res["decode"][0] if k.endswith("_us")]
+    for r in res.get("prefill", []):
+        print(
+            f"prefill {r['shape']:>12}: bf16 {r['bf16_us']:8.1f} us ({r['bf16_tflops']:5.1f} TFLOP/s), FP8 cache "
+            f"{r['fp8_us']:8.1f} us ({r['fp8_tflops']:5.1f}): {r['bf16_us'] / r['fp8_us']:.2f}x"
+        )
+    names = [k[:-3] for k in res["decode"][0] if k.endswith("_us")] if res["decode"] else []
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{n:>16}" for n in names) + "   (us; FP8 / bf16 speedup)")
     for r in res["decode"]:
         cells = [

@@ -490,10 +490,9 @@ def paged_attention(
     # With short queries (a verification's k + 1 tokens) the split count is chosen for a sequence every k + 1
     # tokens (a 16-token graph: 4), so that a verification's context splits.
     live = num_seqs if block_q == 1 else min(num_seqs, triton.cdiv(num_tokens, block_q))
-    # Single new tokens over an FP8 cache may go to the Gluon kernel (kernels/attention_fp8.py, switched off
-    # until its split rule is set on engine-like batches: benchmarks/NOTES.md), with its own split choice for its
-    # one-warp programs.
-    gluon = attention_fp8.usable(q, kv_layer, window, block_q)
+    # Single new tokens over an FP8 cache go to the Gluon kernel (kernels/attention_fp8.py) from 32 sequences (8
+    # KV heads) up, with its own split choice for its one-warp programs.
+    gluon = attention_fp8.usable(q, kv_layer, window, block_q, live)
     if gluon:
         splits = num_kv_splits or attention_fp8.splits(live, num_kv_heads, longest, q)
     else:

@@ -22,10 +22,13 @@ compile time (`convert_layout(..., assert_trivial=True)`). k_scale is in the sof
 the output once. With several splits a program writes kernels/attention.py's float32 partials, which its
 `_reduce_kernel` combines.
 
-Checked and timed on the H200 (runs 114-118): right; from 64 sequences 66-72% of bf16's time at its best split
-(the Triton tile 76-80%), but its split rule picks badly from 128 sequences and it is slower at few sequences over
-short contexts. Off (`FP8_DECODE_MMA`, TINYPAGED_FP8_ATTN_MMA=1) until the rule is set on engine-like batches
-(benchmarks/NOTES.md, "FP8 decode attention straight into registers").
+Checked and timed on the H200 (runs 114-121): right; from 64 sequences 66-72% of bf16's time at its best split
+(the Triton tile 76-80%); on ragged batches taken longest first (the engine's) its split rule is within 3% of its
+best split from 128 sequences (run 119). In the engine the KV-bound workload ran 1.245x bf16 KV against 1.177x
+through the Triton kernel, W1 with FP8 weights and KV 1.349x against 1.326x (runs 120, 121). Slower at 1-16
+sequences over short contexts, where launches of fewer than `MIN_PROGRAMS` programs stay on the Triton kernel.
+On by default (`FP8_DECODE_MMA`; TINYPAGED_FP8_ATTN_MMA=0 turns it off; benchmarks/NOTES.md, "FP8 decode attention
+straight into registers").
 """
 
 from __future__ import annotations
@@ -42,8 +45,13 @@ from .attention_configs import decode_program, num_sms, splits_for_programs
 from .fp8 import INTERPRET
 from .pdl import pdl_options, pdl_start
 
-# Decode steps over an FP8 cache through this kernel (TINYPAGED_FP8_ATTN_MMA=1); off, the Triton kernel runs them.
-FP8_DECODE_MMA = os.environ.get("TINYPAGED_FP8_ATTN_MMA", "0") == "1"
+# Decode steps over an FP8 cache through this kernel (on unless TINYPAGED_FP8_ATTN_MMA=0); off, the Triton kernel
+# runs them.
+FP8_DECODE_MMA = os.environ.get("TINYPAGED_FP8_ATTN_MMA", "1") == "1"
+# Launches of fewer programs (sequences x KV heads) stay on the Triton kernel: on ragged batches of 1-16
+# sequences over up to 900 keys it took 1-3 us less a launch (run 119), and batch-1 decode over an FP8 cache ran
+# 3.4% slower through this kernel (run 121). From 32 sequences (8 KV heads) up this kernel is ahead.
+MIN_PROGRAMS = 256
 # One-warp programs resident a multiprocessor, for the split choice: 168 registers a thread (SASS, head_dim
 # 128) leave room for 12; the sweep should measure it. A split launch is held to SPLIT_MAXNREG registers, so
 # that they fit: at head_dim 128 with 8 or 16 query heads a KV head it would take 174-176 (11 programs), and
@@ -229,16 +237,18 @@ def raw_layouts(head_dim: int, block_n: int) -> tuple[gl.DistributedLinearLayout
     return k_raw, v_raw
 
 
-def takes(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: int) -> bool:
+def takes(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: int, num_seqs: int) -> bool:
     """Whether a decode launch is this kernel's (`usable` adds the device): switched on, an FP8 cache, one new
-    token a sequence, no window, bf16 or fp16 queries, 16 to 128 head dimensions, at most 16 query heads a KV
-    head (any block size: each key's block is looked up)."""
+    token a sequence, at least `MIN_PROGRAMS` programs (`num_seqs` x KV heads), no window, bf16 or fp16 queries,
+    16 to 128 head dimensions, at most 16 query heads a KV head (any block size: each key's block is looked
+    up)."""
     if not (FP8_DECODE_MMA and kv_layer.dtype == torch.float8_e4m3fn):
         return False
     num_kv_heads, head_dim = kv_layer.shape[3:]
     return (
         window is None
         and block_q == 1
+        and num_seqs * num_kv_heads >= MIN_PROGRAMS
         and q.dtype
         in (torch.bfloat16, torch.float16)  # float32 queries keep the Triton kernel's float32 dots
         and head_dim in (16, 32, 64, 128)
@@ -246,11 +256,11 @@ def takes(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: 
     )
 
 
-def usable(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: int) -> bool:
+def usable(q: torch.Tensor, kv_layer: torch.Tensor, window: int | None, block_q: int, num_seqs: int) -> bool:
     """`takes` on a GPU that converts E4M3 natively (compute capability 8.9 or later), outside Triton's
     interpreter (which cannot run Gluon)."""
     return (
-        takes(q, kv_layer, window, block_q)
+        takes(q, kv_layer, window, block_q, num_seqs)
         and q.is_cuda
         and not INTERPRET
         and _converts_fp8(q.device.index if q.device.index is not None else -1)

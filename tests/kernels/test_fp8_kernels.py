@@ -171,3 +171,22 @@ def test_fp8_linear_of_no_rows(dtype: torch.dtype) -> None:
     w, ws = weight(48, 64, seed=0)
     scheme = Fp8Scheme("channel", "token")
     assert fp8.fp8_linear(torch.empty(0, 64, dtype=dtype), w, ws, None, scheme).shape == (0, 48)
+
+
+def test_the_gluon_fp8_decode_attention_takes_only_batches_that_fill_it() -> None:
+    """Decode launches over an FP8 cache go to the Gluon kernel (on by default) from `MIN_PROGRAMS` programs
+    (sequences x KV heads) up; fewer, and windows, multi-token queries, float32 queries or a bf16 cache, stay on
+    the Triton kernel."""
+    mod = tk.attention_fp8
+    kv8 = torch.zeros(2, 4, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    if not mod.FP8_DECODE_MMA:
+        pytest.skip("switched off (TINYPAGED_FP8_ATTN_MMA=0)")
+    at_least = -(-mod.MIN_PROGRAMS // 8)
+    assert mod.takes(q, kv8, None, 1, at_least)
+    assert not mod.takes(q, kv8, None, 1, at_least - 1)
+    assert not mod.takes(q, kv8, 128, 1, at_least)
+    assert not mod.takes(q, kv8, None, 4, at_least)
+    assert not mod.takes(q.float(), kv8, None, 1, at_least)
+    assert not mod.takes(q, kv8.to(torch.bfloat16), None, 1, at_least)
+    assert not mod.usable(q, kv8, None, 1, at_least)  # a CPU tensor: never the Gluon kernel
