@@ -12,8 +12,9 @@ small steps with prefill chunks launch; what runs outside them is warmed here, f
   logprobs. The grammar compiler's tokenizer view is built too (a second for a 128k vocabulary).
 - `eager_steps`: forward passes that run outside the graphs (prompt scoring, steps past the largest graph,
   --enforce-eager), one per row count of ROW_COUNTS (the linear layers' dispatch by row count: the GEMVs, the
-  FP8 and INT4 / INT8 matmuls' tiles, torch's matmuls beyond, each on both sides of 16's divisibility) and one
-  decode per power-of-two context length (decode attention's split count grows with the context), through the
+  FP8 and INT4 / INT8 matmuls' tiles, torch's matmuls beyond, each on both sides of 16's divisibility) and
+  decodes at each power-of-two context length, one sequence and batches of each power-of-two width (decode
+  attention's kernel and split count follow the context and the width), through the
   executor, so on every tensor-parallel rank; the first step also copies a block (copy-on-write: the forks of
   n > 1, best_of and beam search) and swaps one out and in (preemption).
 
@@ -131,9 +132,10 @@ def needs_warmup(engine: LLMEngine) -> bool:
 
 def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) -> list[SchedulerOutput]:
     """The warm-up's forward passes outside the graphs: a prefill of each of ROW_COUNTS tokens (one sequence), a
-    decode at each power-of-two context length, then a decode batch whose logits the sampler's warm-up reads
-    (as many rows as there are variants, up to max_num_seqs). The first step copies block 0 to block 1 and,
-    with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
+    decode at each power-of-two context length, alone and in batches of each power-of-two width up to
+    max_num_seqs (as many tokens as the pool holds at most), then a decode batch whose logits the sampler's
+    warm-up reads (as many rows as there are variants, up to max_num_seqs). The first step copies block 0 to
+    block 1 and, with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
     bs = config.block_size
     longest = min(config.max_model_len, num_blocks * bs)
     steps = [
@@ -143,6 +145,15 @@ def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) 
     while context <= longest:
         steps.append(scratch_step([(context - 1, 1)], bs))
         context *= 2
+    # Decode batches of each power-of-two width up to max_num_seqs at those contexts, as far as the KV pool could
+    # hold them: which attention kernel runs and into how many splits depend on the width too (over an FP8 cache
+    # the Gluon kernel takes batches from 256 programs up; more sequences, fewer splits).
+    most = config.max_num_seqs
+    for width in sorted({min(2**i, most) for i in range(1, most.bit_length() + 1)} - {1}):
+        context = bs
+        while context <= longest and width * context <= num_blocks * bs:
+            steps.append(scratch_step([(context - 1, 1)] * width, bs))
+            context *= 2
     spec = config.speculative
     if spec is not None:  # verification: a decode with k proposed tokens, its k + 1 rows sampled
         k = spec.num_speculative_tokens
