@@ -318,6 +318,9 @@ def kv_bound_engine(args: argparse.Namespace, res: dict[str, Any], name: str) ->
         # FP8 KV's larger batches can shorten is the second.
         "prefill_steps_s": sum(s.total_s for s in stats if s.num_prefill_tokens),
         "decode_steps_s": sum(s.total_s for s in stats if not s.num_prefill_tokens),
+        # how many steps ran prompt tokens, and the sequences each carried (the decodes riding along)
+        "prefill_steps": sum(1 for s in stats if s.num_prefill_tokens),
+        "mean_prefill_step_seqs": statistics.mean([s.num_seqs for s in stats if s.num_prefill_tokens] or [0]),
         "prompts": args.kv_prompts,
         "outputs": args.kv_outputs,
     }
