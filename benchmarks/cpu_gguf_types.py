@@ -67,6 +67,7 @@ from cpu_lowbit import (
     ours_eager,
     ours_run,
     prompt_ids,
+    same,
     single_interleaved,
     wait_for_graph,
 )
@@ -175,10 +176,6 @@ def llama_cpp_scored(path: Path, seqs: list[list[int]]) -> np.ndarray:
     return scored(logits, seqs)
 
 
-def _same(a: list[list[int]], b: list[list[int]]) -> int:
-    return sum(x == y for x, y in zip(a, b, strict=True))
-
-
 def _err(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     d = np.abs(a - b)
     return {"max": float(d.max()), "mean": float(d.mean())}
@@ -224,9 +221,9 @@ def measure_type(path: Path, ids: list[list[int]], many: list[list[int]], rounds
     del lc
     res["llama_cpp_lp_err"] = _err(llama_cpp_scored(path, seqs), deq_lp)
     n = len(many)
-    res["agree_deq"] = [_same(ours_tokens, deq_tokens), n]
-    res["agree_llama_cpp"] = [_same(ours_tokens, lc_tokens), n]
-    res["llama_cpp_agree_deq"] = [_same(lc_tokens, deq_tokens), n]
+    res["agree_deq"] = [same(ours_tokens, deq_tokens), n]
+    res["agree_llama_cpp"] = [same(ours_tokens, lc_tokens), n]
+    res["llama_cpp_agree_deq"] = [same(lc_tokens, deq_tokens), n]
     return res
 
 
@@ -244,7 +241,7 @@ def measure_int8(
     tokens = greedy(q, many)
     seqs = [p + t for p, t in zip(many, f32[0], strict=True)]
     res["lp_err_f32"] = _err(ours_scored(q, seqs), f32[1])
-    res["agree_f32"] = [_same(tokens, f32[0]), len(many)]
+    res["agree_f32"] = [same(tokens, f32[0]), len(many)]
     q.shutdown()
     return res
 
@@ -258,7 +255,7 @@ def check_f32(path: Path, many: list[list[int]], f32: tuple[list[list[int]], np.
     seqs = [p + t for p, t in zip(many, f32[0], strict=True)]
     return {
         "file_bytes": path.stat().st_size,
-        "llama_cpp_agree_f32": [_same(tokens, f32[0]), len(many)],
+        "llama_cpp_agree_f32": [same(tokens, f32[0]), len(many)],
         "llama_cpp_lp_err_f32": _err(llama_cpp_scored(path, seqs), f32[1]),
     }
 

@@ -242,7 +242,8 @@ def single_interleaved(
     return {name: tokens[name] / secs[name] for name in names}
 
 
-def _same(a: list[list[int]], b: list[list[int]]) -> int:
+def same(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many of the token lists are equal, pair by pair."""
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
@@ -302,12 +303,12 @@ def main() -> None:
     f32.shutdown()
     del f32
     n = len(held)
-    res["agree_f32"] = _same(ours_many[:n], f32_many[:n])
-    res["agree_f32_many"] = [_same(ours_many, f32_many), len(many)]
+    res["agree_f32"] = same(ours_many[:n], f32_many[:n])
+    res["agree_f32_many"] = [same(ours_many, f32_many), len(many)]
     if lc is not None:
         lc_many = [lc(p, 24) for p in many]
-        res["agree_llama_cpp"] = _same(ours_many[:n], lc_many[:n])
-        res["llama_cpp_agree_f32_many"] = [_same(lc_many, f32_many), len(many)]
+        res["agree_llama_cpp"] = same(ours_many[:n], lc_many[:n])
+        res["llama_cpp_agree_f32_many"] = [same(lc_many, f32_many), len(many)]
     res["load_after"] = os.getloadavg()
     ref = res.get("llama_cpp_single_tps")
     rows = [

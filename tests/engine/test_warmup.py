@@ -314,3 +314,23 @@ def test_the_warmup_verifies_proposed_tokens(tiny: Path) -> None:
     stats = engine.stats()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and stats.spec_decode_num_drafts == 0
     engine.shutdown()
+
+
+def test_wide_decodes_are_warmed_only_without_decode_graphs(tiny: Path) -> None:
+    """Decode batches of several widths at each context run eagerly only where no decode graph replays them (the
+    graphs' capture compiles each batch size's kernels); one sequence a context either way."""
+    engine = _engine(tiny)
+    cfg, blocks = engine.config, engine.runner.num_gpu_blocks
+
+    def decodes(graphs: bool) -> set[tuple[int, int]]:
+        steps = warmup.eager_steps(cfg, blocks, decode_graphs=graphs)[:-1]  # the last: the sampler's batch
+        return {
+            (len(s.scheduled), s.scheduled[0].num_computed_tokens + 1)
+            for s in steps
+            if all(q.num_new_tokens == 1 for q in s.scheduled)
+        }
+
+    with_graphs, without = decodes(True), decodes(False)
+    assert {w for w, _ in with_graphs} == {1}
+    assert with_graphs < without and {w for w, _ in without} == {1, 2, 4, cfg.max_num_seqs}
+    engine.shutdown()

@@ -13,8 +13,8 @@ small steps with prefill chunks launch; what runs outside them is warmed here, f
 - `eager_steps`: forward passes that run outside the graphs (prompt scoring, steps past the largest graph,
   --enforce-eager), one per row count of ROW_COUNTS (the linear layers' dispatch by row count: the GEMVs, the
   FP8 and INT4 / INT8 matmuls' tiles, torch's matmuls beyond, each on both sides of 16's divisibility) and
-  decodes at each power-of-two context length, one sequence and batches of each power-of-two width (decode
-  attention's kernel and split count follow the context and the width), through the
+  decodes at each power-of-two context length, one sequence, and without decode graphs batches of each
+  power-of-two width (decode attention's kernel and split count follow the context and the width), through the
   executor, so on every tensor-parallel rank; the first step also copies a block (copy-on-write: the forks of
   n > 1, best_of and beam search) and swaps one out and in (preemption).
 
@@ -130,26 +130,25 @@ def needs_warmup(engine: LLMEngine) -> bool:
     return runner.device.type == "cuda" and ops.uses_triton(runner.kv_cache)
 
 
-def eager_steps(config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0) -> list[SchedulerOutput]:
+def eager_steps(
+    config: EngineConfig, num_blocks: int, num_cpu_blocks: int = 0, decode_graphs: bool = False
+) -> list[SchedulerOutput]:
     """The warm-up's forward passes outside the graphs: a prefill of each of ROW_COUNTS tokens (one sequence), a
-    decode at each power-of-two context length, alone and in batches of each power-of-two width up to
-    max_num_seqs (as many tokens as the pool holds at most), then a decode batch whose logits the sampler's
-    warm-up reads (as many rows as there are variants, up to max_num_seqs). The first step copies block 0 to
-    block 1 and, with swap space, swaps block 2 out and back in as block 3 (what preemption by swap moves)."""
+    decode at each power-of-two context length (without `decode_graphs`, which replay every decode batch, also
+    in batches of each power-of-two width up to max_num_seqs, as many tokens as the pool holds at most), then a
+    decode batch whose logits the sampler's warm-up reads (as many rows as there are variants, up to
+    max_num_seqs). The first step copies block 0 to block 1 and, with swap space, swaps block 2 out and back in
+    as block 3 (what preemption by swap moves)."""
     bs = config.block_size
     longest = min(config.max_model_len, num_blocks * bs)
     steps = [
         scratch_step([(0, t)], bs) for t in ROW_COUNTS if t <= min(longest, config.max_num_batched_tokens)
     ]
-    context = bs
-    while context <= longest:
-        steps.append(scratch_step([(context - 1, 1)], bs))
-        context *= 2
-    # Decode batches of each power-of-two width up to max_num_seqs at those contexts, as far as the KV pool could
-    # hold them: which attention kernel runs and into how many splits depend on the width too (over an FP8 cache
-    # the Gluon kernel takes batches from 256 programs up; more sequences, fewer splits).
+    # Which decode attention kernel runs, and into how many splits, follows the context and the batch's width
+    # (over an FP8 cache the Gluon kernel takes batches from 256 programs up; more sequences, fewer splits).
     most = config.max_num_seqs
-    for width in sorted({min(2**i, most) for i in range(1, most.bit_length() + 1)} - {1}):
+    widths = [1] if decode_graphs else sorted({min(2**i, most) for i in range(most.bit_length() + 1)})
+    for width in widths:
         context = bs
         while context <= longest and width * context <= num_blocks * bs:
             steps.append(scratch_step([(context - 1, 1)] * width, bs))
@@ -183,7 +182,9 @@ def warm_up(engine: LLMEngine, force: bool = False) -> float:
     runner = engine.runner
     grammar = engine.grammars.submit(_SCHEMA)  # llguidance's view of the tokenizer, built once, in its pool
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        steps = eager_steps(engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks)
+        steps = eager_steps(
+            engine.config, runner.num_gpu_blocks, runner.num_cpu_blocks, runner.use_cuda_graphs
+        )
         if engine.config.tensor_parallel_size == 1:
             compile_cache.dry_run(lambda: _run(engine, steps), "warm-up")
         _run(engine, steps)
