@@ -5,16 +5,17 @@ bf16, on the GPU (issue 38).
 
     python3 benchmarks/int4_mma.py --json benchmarks/results/int4-mma-h200.json [--no-sweep] [--decode MODEL]
 
-First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, INT4 and INT8, bf16 and fp16 rows (1, 2,
-5, 8, 9, 16), with and without zero points, one with a bias, the words straight into registers and through the
-shared ring (equal bits both ways): the relative error against the float32 product of the same codes (`ref`: x
-in float32 @ the dequantized weight), beside the Triton path's; the same bits twice; a row alone against the
-same row within a batch of 16. Then the layers timed as CUDA-graph replays, each launch on its own copy of the
-weight (past the L2), at 1, 2, 4, 8 and 16 rows: bf16 `ops.linear`, the Triton path and `wint_mma` at its
-default and with a ring of `RING` steps, with the weight bytes each reads per second; then a sweep of
-`wint_mma`'s tilings (warps, 16-row tiles a warp, K split, the words' ring depth: 0 straight into registers,
-else cp.async through shared memory) at 1 and 8 rows. Then, with `--decode`, the engines of `ENGINES` one after
-the other (`--engines` picks some: eight take more than one call's ten minutes). The table is printed last.
+First the checks: at Llama-3.1-8B's four layer shapes and two odd ones, INT4 and INT8, bf16 and fp16 rows (1, 2, 5,
+8, 9, 16), with and without zero points, one with a bias, the words straight into registers and through the shared
+ring, and the other ways of `WAYS` that `--ways` names (equal bits every way): the relative error against the
+float32 product of the same codes (`ref`: x in float32 @ the dequantized weight), beside the Triton path's; the same
+bits twice; a row alone against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each
+launch on its own copy of the weight (past the L2), at 1, 2, 4, 8 and 16 rows (`--rows`): bf16 `ops.linear`, the
+Triton path and `wint_mma` each way `--ways` names (default: straight into registers and through a ring of `RING`
+steps), with the weight bytes each reads per second; then a sweep of `wint_mma`'s tilings (warps, 16-row tiles a
+warp, K split, the words' ring depth: 0 straight into registers, else cp.async through shared memory) at 1 and 8
+rows. Then, with `--decode`, the engines of `ENGINES` one after the other (`--engines` picks some: eight take more
+than one call's ten minutes). The table is printed last.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
 # Ring depths checked and swept: 0 (the words straight into registers) and the shared ring's.
 RING = 4
-STAGES = (0, RING)
+# The ways the words come in, checked and timed (`--ways`): (STAGES, AHEAD, L2) of `wint_mma`'s config. `mma`:
+# straight into registers one step ahead (the default); `ring`: through the shared ring; `ahead2`: two steps
+# ahead in registers; `l2_128` / `l2_256`: one step ahead, each load asking the L2 to fetch 128 / 256 bytes of
+# the row; `ahead2_l2`: both.
+WAYS = {
+    "mma": (0, 1, 0), "ring": (RING, 1, 0), "ahead2": (0, 2, 0), "l2_128": (0, 1, 128), "l2_256": (0, 1, 256),
+    "ahead2_l2": (0, 2, 256),
+}  # fmt: skip
 BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
 
@@ -62,7 +70,7 @@ def triton_path(x: torch.Tensor, w: lowbit.IntWeight, bias: torch.Tensor | None 
         lowbit_mma.INT8_MMA = before
 
 
-def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
+def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[str]) -> None:
     out = res.setdefault("checks", [])
     rows = (1, 5, 16) if quick else (1, 2, 5, 8, 9, 16)
     for (name, n, k), sym, bits in itertools.product(SHAPES + ODD, (False, True), BITS):
@@ -77,12 +85,12 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool) -> None:
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
             first = None
-            for stages in STAGES:  # the words straight into registers, and through the shared ring
-                cfg = lowbit_mma.mma_config(m, n, k, bits=bits)[:3] + (stages,)
+            for way in ways:  # the words straight into registers, through the shared ring, ...
+                cfg = lowbit_mma.mma_config(m, n, k, bits=bits)[:3] + WAYS[way]
                 got = lowbit_mma.wint_mma(x, w, bias, cfg)
                 again = lowbit_mma.wint_mma(x, w, bias, cfg)
                 row = {
-                    "name": f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} stages={stages}",
+                    "name": f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} {way}",
                     "err": rel_err(got, want),
                     "triton_err": triton_err,
                     "same_twice": bool(torch.equal(got, again)),
@@ -115,7 +123,9 @@ def copies_for(n: int, past: float = 256e6) -> int:
     return max(2, math.ceil(past / n))
 
 
-def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -> None:
+def timings(
+    res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str, ways: list[str], ms: list[int]
+) -> None:
     rows_out, sweep_out = res.setdefault("layers", []), res.setdefault("sweep", [])
     for (name, n, k), bits in itertools.product(SHAPES, BITS):
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
@@ -126,20 +136,19 @@ def timings(res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str) -
                                zeros=None if w.zeros is None else w.zeros.clone())
                     for _ in range(copies_for(nbytes(w)) - 1)]  # fmt: skip
         bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)] if bits == 4 else []
-        for m in (1, 2, 4, 8, 16):
+        for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
             row: dict[str, Any] = {"layer": name, "bits": bits, "n": n, "k": k, "m": m}
             if bs:
                 row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
             row["triton_us"] = graph_us(lambda i, x=x, ws=ws: triton_path(x, ws[i]), len(ws))
             row["mma_config"] = lowbit_mma.mma_config(m, n, k, bits=bits)
-            for key, stages in (("mma_us", 0), ("ring_us", RING)):
-                cfg = row["mma_config"][:3] + (stages,)
-                row[key] = graph_us(
+            for way in ways:
+                cfg = row["mma_config"][:3] + WAYS[way]
+                row[f"{way}_us"] = graph_us(
                     lambda i, x=x, c=cfg, ws=ws: lowbit_mma.wint_mma(x, ws[i], config=c), len(ws)
                 )
-            row["mma_tbps"] = nbytes(w) / row["mma_us"] / 1e6
-            row["ring_tbps"] = nbytes(w) / row["ring_us"] / 1e6
+                row[f"{way}_tbps"] = nbytes(w) / row[f"{way}_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
@@ -190,7 +199,7 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
 
 ENGINES = (
     "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
-    "int8-triton", "int8-mma", "int8-mma-ring",
+    "int4-mma-ahead2", "int4-mma-l2", "int4-mma-ahead2-l2", "int8-triton", "int8-mma", "int8-mma-ring",
 )  # fmt: skip
 
 
@@ -211,29 +220,34 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     out = res.setdefault("decode", {})
     table = best_configs(res)
     default = lowbit_mma.mma_config
-    stages = lowbit_mma.MMA_STAGES
+    stages, ahead, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2
     int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
     rows = lowbit.MMA_ROWS
-    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, ring depth, MMA_ROWS)
+    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, AHEAD, L2), MMA_ROWS)
+    regs = WAYS["mma"]
     variants = {
-        "bf16": ({}, "1", False, None, stages, rows),
-        "int4-triton": (int4, "0", False, None, stages, rows),
-        "int4-mma": (int4, "1", False, None, 0, rows),
-        "int4-mma-ring": (int4, "1", False, None, RING, rows),
+        "bf16": ({}, "1", False, None, (stages, ahead, l2), rows),
+        "int4-triton": (int4, "0", False, None, (stages, ahead, l2), rows),
+        "int4-mma": (int4, "1", False, None, regs, rows),
+        "int4-mma-ring": (int4, "1", False, None, WAYS["ring"], rows),
         # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
-        "int4-mma-ring16": (int4, "1", False, None, RING, 16),
-        "int4-mma-swept": (int4, "1", False, table, stages, rows),
-        "int8-triton": (int8, "1", False, None, 0, rows),
-        "int8-mma": (int8, "1", True, None, 0, rows),
-        "int8-mma-ring": (int8, "1", True, None, RING, rows),
+        "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16),
+        "int4-mma-swept": (int4, "1", False, table, regs, rows),
+        "int4-mma-ahead2": (int4, "1", False, None, WAYS["ahead2"], rows),
+        "int4-mma-l2": (int4, "1", False, None, WAYS["l2_256"], rows),
+        "int4-mma-ahead2-l2": (int4, "1", False, None, WAYS["ahead2_l2"], rows),
+        "int8-triton": (int8, "1", False, None, regs, rows),
+        "int8-mma": (int8, "1", True, None, regs, rows),
+        "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows),
     }
     for name in engines:
-        kw, env, int8_mma, tab, ring, lowbit.MMA_ROWS = variants[name]
+        kw, env, int8_mma, tab, way, lowbit.MMA_ROWS = variants[name]
         if name.endswith("swept") and not tab:
             continue  # no sweep to take the tilings from
         os.environ["TINYPAGED_INT4_MMA"] = env
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
-        lowbit_mma.MMA_STAGES = ring  # mma_config's ring depth (0: the words straight into registers)
+        # mma_config's ring depth (0: the words straight into registers), registers' depth and L2 prefetch size
+        lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2 = way
         lowbit_mma.INT8_MMA = int8_mma
         if tab:
             lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=tab: (
@@ -248,7 +262,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             free_llm(llm)
         finally:
             lowbit_mma.mma_config = default
-            lowbit_mma.MMA_STAGES = stages
+            lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2 = stages, ahead, l2
             lowbit_mma.INT8_MMA = False
             lowbit.MMA_ROWS = rows
             os.environ.pop("TINYPAGED_INT4_MMA", None)
@@ -258,12 +272,17 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
 
 
 def table(res: dict[str, Any]) -> None:
-    print(
-        f"\n{'layer':8} {'bits':>4} {'M':>3} {'bf16 us':>8} {'triton us':>9} {'mma us':>7} {'ring us':>7} "
-        f"{'mma TB/s':>8} {'ring TB/s':>9} {'best us':>8}  best"
-    )
     nan = float("nan")
-    for r in res.get("layers", []):
+    layers = res.get("layers", [])
+    ways = [w for w in WAYS if any(f"{w}_us" in r for r in layers)]
+    print(
+        f"\n{'layer':8} {'bits':>4} {'M':>3} {'bf16 us':>8} {'triton us':>9} "
+        + " ".join(f"{w + ' us':>12}" for w in ways)
+        + " "
+        + " ".join(f"{w + ' TB/s':>14}" for w in ways)
+        + f" {'best us':>8}  best"
+    )
+    for r in layers:
         bits = r.get("bits", 4)
         cands = [
             s
@@ -273,17 +292,19 @@ def table(res: dict[str, Any]) -> None:
         best = min(cands, key=lambda s: s["us"]) if cands else None
         print(
             f"{r['layer']:8} {bits:>4} {r['m']:>3} {r.get('bf16_us', nan):8.1f} {r['triton_us']:9.1f} "
-            f"{r['mma_us']:7.1f} {r.get('ring_us', nan):7.1f} {r['mma_tbps']:8.2f} {r.get('ring_tbps', nan):9.2f} "
-            f"{best['us'] if best else nan:8.1f}  {best['config'] if best else ''}"
+            + " ".join(f"{r.get(w + '_us', nan):12.1f}" for w in ways)
+            + " "
+            + " ".join(f"{r.get(w + '_tbps', nan):14.2f}" for w in ways)
+            + f" {best['us'] if best else nan:8.1f}  {best['config'] if best else ''}"
         )
-    layers = res.get("layers", [])
     for bits, m in sorted({(r.get("bits", 4), r["m"]) for r in layers}):
         rows = [r for r in layers if (r.get("bits", 4), r["m"]) == (bits, m)]
-        t, q, g = (sum(r.get(c, nan) for r in rows) for c in ("triton_us", "mma_us", "ring_us"))
+        t = sum(r.get("triton_us", nan) for r in rows)
         b = sum(r["bf16_us"] for r in layers if r["m"] == m and "bf16_us" in r)
+        sums = {w: sum(r.get(f"{w}_us", nan) for r in rows) for w in ways}
         print(
-            f"INT{bits}, a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, mma {q:.1f} "
-            f"({t / q:.2f}x triton), ring {g:.1f} ({t / g:.2f}x triton)"
+            f"INT{bits}, a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, "
+            + ", ".join(f"{w} {u:.1f} ({t / u:.2f}x triton)" for w, u in sums.items())
         )
     dec = res.get("decode", {})
     if dec:
@@ -309,6 +330,14 @@ def main() -> None:
     ap.add_argument("--decode", metavar="MODEL", help="also the engines' decode on this checkpoint")
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="with --decode")
     ap.add_argument(
+        "--ways",
+        nargs="+",
+        choices=list(WAYS),
+        default=["mma", "ring"],
+        help="the words' ways checked and timed",
+    )
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="the layers' rows timed")
+    ap.add_argument(
         "--resume", action="store_true", help="start from --json's results (a sweep for --decode)"
     )
     args = ap.parse_args()
@@ -321,10 +350,10 @@ def main() -> None:
         True  # the kernel called directly on INT8 layers (`triton_path` turns it off for its own)
     )
     if not args.skip_checks:
-        checks(res, gen, args.quick_checks)
+        checks(res, gen, args.quick_checks, args.ways)
         write_json(args.json, res)
     if not args.skip_layers:
-        timings(res, gen, not args.no_sweep, args.json)
+        timings(res, gen, not args.no_sweep, args.json, args.ways, args.rows)
         write_json(args.json, res)
     if args.decode:
         decode(res, args.decode, args.engines, args.json)

@@ -63,6 +63,12 @@ MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
 # INT8 through this kernel (TINYPAGED_INT8_MMA=1); off, INT8 takes kernels/lowbit.py's GEMV and tensor-core
 # kernel, which measured faster (run 114: batch 1 1.29x bf16 against this path's 1.09x).
 INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
+# The registers path's depth (STAGES 0): steps of words asked for ahead of the one computed, 1 or 2
+# (TINYPAGED_INT4_MMA_AHEAD), and the L2 prefetch size its word loads ask for, 0 (none: a plain load), 64, 128 or
+# 256 bytes (TINYPAGED_INT4_MMA_L2): a step reads 64 bytes of each row, so the L2 can fetch the next steps' bytes
+# of the row from DRAM with this one's. Both for side-by-side measurements (benchmarks/int4_mma.py).
+MMA_AHEAD = int(os.environ.get("TINYPAGED_INT4_MMA_AHEAD", "1"))
+MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "0"))
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
 # Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
@@ -80,11 +86,32 @@ INT8_BF16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "bf16x2"))
 INT8_FP16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "f16x2"))
 
 
+# A thread's two neighbouring words (8 bytes) through the read-only path, asking the L2 to fetch SIZE bytes around
+# them from DRAM (`.L2::SIZEB`, sm_75 and later).
+_WORDS_L2 = "ld.global.nc.L2::SIZEB.v2.u32 {$0, $1}, [$2];"
+WORDS_L2_64 = gl.constexpr(_WORDS_L2.replace("SIZE", "64"))
+WORDS_L2_128 = gl.constexpr(_WORDS_L2.replace("SIZE", "128"))
+WORDS_L2_256 = gl.constexpr(_WORDS_L2.replace("SIZE", "256"))
+
+
 @gluon.jit
-def _words(w_ptr, rows, row_ok, k0, stride_w, wcols, PACK: gl.constexpr):
-    """One step's packed words `[BLOCK_N, 16]` (from column k0), in the A operand's layout."""
-    offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :]
-    return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
+def _words(w_ptr, rows, row_ok, k0, stride_w, wcols, PACK: gl.constexpr, L2: gl.constexpr):
+    """One step's packed words `[BLOCK_N, 16]` (from column k0), in the A operand's layout. L2 > 0: by inline PTX
+    with that L2 prefetch size, a pair of neighbouring words (2t, 2t + 1) a load, rows past N read as row 0 (their
+    sums are never stored)."""
+    if L2 == 0:
+        offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :]
+        return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
+    else:
+        if L2 == 64:
+            ASM: gl.constexpr = WORDS_L2_64
+        elif L2 == 128:
+            ASM: gl.constexpr = WORDS_L2_128
+        else:
+            ASM: gl.constexpr = WORDS_L2_256
+        safe = gl.where(row_ok, rows, 0)
+        ptrs = w_ptr + (safe.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :])
+        return gl.inline_asm_elementwise(ASM, "=r,=r,l,l", [ptrs], gl.int32, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -209,7 +236,8 @@ def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y, sym_zero,
     BITS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, USE_PDL: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+    L2: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -255,19 +283,31 @@ def _wint_mma_kernel(
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
-        # The words straight into registers: the first step's words and parameters are asked for before the
-        # wait on the kernel before; then each step asks for the next one's while it computes.
-        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK)
+        # The words straight into registers: the first AHEAD steps' words and the first step's parameters are
+        # asked for before the wait on the kernel before; then each step asks for the words AHEAD steps on (the
+        # last ones for the last step's again) and the next step's parameters while it computes.
+        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK, L2)
+        if AHEAD == 2:
+            w1 = _words(
+                w_ptr, rows, row_ok, k_lo + gl.minimum(1, steps - 1) * STEP_K, stride_w, wcols, PACK, L2
+            )
+        else:
+            w1 = w
         s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
         pdl_start(USE_PDL)
         for i in range(steps):
             k0 = k_lo + i * STEP_K
-            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K  # the last step asks for its own again
-            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols, PACK)
+            kw = k_lo + gl.minimum(i + AHEAD, steps - 1) * STEP_K
+            w_next = _words(w_ptr, rows, row_ok, kw, stride_w, wcols, PACK, L2)
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K
             s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
             xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
             acc = _step(acc, w, s, z, xs, BITS)
-            w, s, z = w_next, s_next, z_next
+            if AHEAD == 2:
+                w, w1 = w1, w_next
+            else:
+                w = w_next
+            s, z = s_next, z_next
     else:
         # The words through a ring of STAGES steps in shared memory, STAGES - 1 steps in flight (cp.async): bytes
         # in flight that hold no registers. A row's 16 words in four 16-byte units, unit u of row r stored at
@@ -355,38 +395,41 @@ def _runs_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] >= 8
 
 
-def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, int, int, int]:
-    """(BLOCK_N, WARPS, SPLIT, STAGES): four warps of two 16-row tiles (128 weight rows a program), K split until
-    the programs are about three a multiprocessor (each piece at least two steps of 16 words a row), the words
-    straight into registers (`MMA_STAGES` 0) or through a ring of that many steps in shared memory. The split from
-    run 110's graph-timed INT4 sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but
-    o_proj's (6.7 against 6.1 us): qkv split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two
-    groups, the zero points folded into the column sums and 8 or 16 rows a warp were slower or no faster
-    (benchmarks/NOTES.md)."""
+def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
+    """(BLOCK_N, WARPS, SPLIT, STAGES, AHEAD, L2): four warps of two 16-row tiles (128 weight rows a program), K
+    split until the programs are about three a multiprocessor (each piece at least two steps of 16 words a row),
+    the words straight into registers (`MMA_STAGES` 0; `MMA_AHEAD` steps ahead, loads asking the L2 for `MMA_L2`
+    bytes) or through a ring of that many steps in shared memory. The split from run 110's graph-timed INT4 sweep
+    at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv
+    split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded
+    into the column sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
     warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
     steps = k // (16 * (32 // bits))
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, MMA_STAGES
+    return block_n, warps, split, MMA_STAGES, MMA_AHEAD, MMA_L2
 
 
 def wint_mma(
     x: torch.Tensor,
     w: IntWeight,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
-    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES), default
-    `mma_config`. Allocates with torch.empty only and never reads a value back: CUDA graphs capture it."""
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, AHEAD, L2]),
+    default `mma_config` (AHEAD and L2 left out: `MMA_AHEAD`, `MMA_L2`). Allocates with torch.empty only and never
+    reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
-    block_n, warps, split, stages = config or mma_config(m, n, k, bits=w.bits)
+    cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
+    block_n, warps, split, stages, ahead, l2 = (cfg + (MMA_AHEAD, MMA_L2)[len(cfg) - 4 :])[:6]
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
+    assert ahead in (1, 2) and l2 in (0, 64, 128, 256)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -400,6 +443,6 @@ def wint_mma(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
         y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0), 1 << (w.bits - 1),
         BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, STAGES=stages, num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, STAGES=stages, AHEAD=ahead, L2=l2, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

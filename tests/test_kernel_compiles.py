@@ -432,12 +432,23 @@ def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("bits", "block_m", "split", "stages", "zeros"),
-    [(4, 8, 1, 0, True), (4, 8, 8, 0, True), (4, 16, 2, 0, True), (4, 8, 1, 4, True), (4, 8, 8, 3, False)]
-    + [(8, 8, 1, 0, False), (8, 16, 4, 0, True), (8, 8, 2, 4, False)],
+    ("bits", "block_m", "split", "stages", "zeros", "ahead", "l2"),
+    [(4, 8, 1, 0, True, 1, 0), (4, 8, 8, 0, True, 1, 0), (4, 16, 2, 0, True, 1, 0), (4, 8, 1, 4, True, 1, 0)]
+    + [
+        (4, 8, 8, 3, False, 1, 0),
+        (4, 8, 2, 0, True, 2, 0),
+        (4, 8, 2, 0, True, 1, 128),
+        (4, 8, 8, 0, False, 2, 256),
+    ]
+    + [
+        (8, 8, 1, 0, False, 1, 0),
+        (8, 16, 4, 0, True, 1, 0),
+        (8, 8, 2, 4, False, 1, 0),
+        (8, 8, 2, 0, True, 2, 256),
+    ],
 )
 def test_wint_mma_kernel_compiles_for_hopper(
-    bits: int, block_m: int, split: int, stages: int, zeros: bool
+    bits: int, block_m: int, split: int, stages: int, zeros: bool, ahead: int, l2: int
 ) -> None:
     """The Gluon INT4 / INT8 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into
     mma.sync's registers, the activations in 16-byte loads after the wait on the kernel before (programmatic
@@ -445,12 +456,21 @@ def test_wint_mma_kernel_compiles_for_hopper(
     float32 subtraction and a conversion of the pair), 32 / bits dots a step. The packed words: with no ring
     (stages 0) in 8-byte loads, the first step's before the wait, and no shared memory but a split's one
     broadcast of its counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps'
-    before the wait, stages - 2 groups left in flight at each step's wait, read back in 8-byte shared loads."""
+    before the wait, stages - 2 groups left in flight at each step's wait, read back in 8-byte shared loads.
+    Without a ring, `ahead` steps' words are asked for before the wait, each load through the read-only path
+    with an L2 prefetch size where `l2` names one."""
     from tinypaged.kernels.lowbit_mma import mma_config
 
     block_n, warps = mma_config(1, 4096, 4096, bits=bits)[:2]
     constexprs = {"BITS": bits, "HAS_ZERO": zeros, "HAS_BIAS": False, "SPLIT": split, "BLOCK_M": block_m}
-    constexprs |= {"BLOCK_N": block_n, "WARPS": warps, "STAGES": stages, "USE_PDL": True}
+    constexprs |= {
+        "BLOCK_N": block_n,
+        "WARPS": warps,
+        "STAGES": stages,
+        "AHEAD": ahead,
+        "L2": l2,
+        "USE_PDL": True,
+    }
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
         kernel = _wint_mma_compile(constexprs, dtype)
         ptx = kernel.asm["ptx"]
@@ -464,7 +484,13 @@ def test_wint_mma_kernel_compiles_for_hopper(
         # A loop's dots: eight INT4 code positions a step, four INT8 ones (the tiles a warp times that).
         assert ptx.count("mma.sync") % (32 // bits) == 0
         if stages == 0:
-            assert ptx.find("ld.global.v2.b32") < wait  # the first step's words before the wait
+            load = f"ld.global.nc.L2::{l2}B.v2.u32" if l2 else "ld.global.v2.b32"
+            assert (
+                "L2::" not in ptx.replace(load, "") and ptx.find(load) < wait
+            )  # the first step's words before it
+            # a thread's words of a step: two 8-byte loads a row, four rows a 32-row tile pair
+            loads = [i for i in range(len(ptx)) if ptx.startswith(load, i)]
+            assert sum(i < wait for i in loads) == ahead * 2 * (block_n // (8 * warps))
             # Shared memory only where a split's last program learns it is the last (its counter broadcast).
             assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
             assert "cp.async" not in ptx
