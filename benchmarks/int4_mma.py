@@ -41,13 +41,22 @@ ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
 # Ring depths checked and swept: 0 (the words straight into registers) and the shared ring's.
 RING = 4
 # The ways the words come in, checked and timed (`--ways`): (STAGES, AHEAD, L2) of `wint_mma`'s config. `mma`:
-# straight into registers one step ahead (the default); `ring`: through the shared ring; `ahead2`: two steps
-# ahead in registers; `l2_128` / `l2_256`: one step ahead, each load asking the L2 to fetch 128 / 256 bytes of
-# the row; `ahead2_l2`: both.
+# the default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
+# bytes, an INT8 layer's plain); `plain`: one step ahead, plain loads (the default before run 127); `ring`: through
+# the shared ring; `ahead2`: two steps ahead, plain loads; `l2_64` / `l2_128` / `l2_256`: one step ahead, each load
+# asking the L2 to fetch that many bytes of the row (INT8 too); `ahead2_l2`: two ahead, 256 bytes.
 WAYS = {
-    "mma": (0, 1, 0), "ring": (RING, 1, 0), "ahead2": (0, 2, 0), "l2_128": (0, 1, 128), "l2_256": (0, 1, 256),
-    "ahead2_l2": (0, 2, 256),
+    "mma": None, "plain": (0, 1, 0), "ring": (RING, 1, 0), "ahead2": (0, 2, 0), "l2_64": (0, 1, 64),
+    "l2_128": (0, 1, 128), "l2_256": (0, 1, 256), "ahead2_l2": (0, 2, 256),
 }  # fmt: skip
+
+
+def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
+    """`wint_mma`'s config for a layer, the words coming in the way `WAYS` names."""
+    config = lowbit_mma.mma_config(m, n, k, bits=bits)
+    return config if WAYS[way] is None else config[:3] + WAYS[way]
+
+
 BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
 
@@ -86,7 +95,7 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             triton_err = rel_err(triton_path(x, w, bias), want)
             first = None
             for way in ways:  # the words straight into registers, through the shared ring, ...
-                cfg = lowbit_mma.mma_config(m, n, k, bits=bits)[:3] + WAYS[way]
+                cfg = way_config(way, m, n, k, bits)
                 got = lowbit_mma.wint_mma(x, w, bias, cfg)
                 again = lowbit_mma.wint_mma(x, w, bias, cfg)
                 row = {
@@ -144,7 +153,7 @@ def timings(
             row["triton_us"] = graph_us(lambda i, x=x, ws=ws: triton_path(x, ws[i]), len(ws))
             row["mma_config"] = lowbit_mma.mma_config(m, n, k, bits=bits)
             for way in ways:
-                cfg = row["mma_config"][:3] + WAYS[way]
+                cfg = way_config(way, m, n, k, bits)
                 row[f"{way}_us"] = graph_us(
                     lambda i, x=x, c=cfg, ws=ws: lowbit_mma.wint_mma(x, ws[i], config=c), len(ws)
                 )
@@ -199,17 +208,18 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
 
 ENGINES = (
     "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
-    "int4-mma-ahead2", "int4-mma-l2", "int4-mma-ahead2-l2", "int8-triton", "int8-mma", "int8-mma-ring",
+    "int4-mma-plain", "int4-mma-ahead2", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma-ring",
 )  # fmt: skip
 
 
 def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> None:
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
     process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
-    tilings with the words straight into registers and through a ring of `RING` steps in shared memory (that
-    also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the sweep's fastest (M =
-    1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA` off)
-    and through `wint_mma`, without and with the ring."""
+    tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain
+    loads: `-plain`; two steps ahead: `-ahead2`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in
+    shared memory (that also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the
+    sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton
+    kernels (`INT8_MMA` off) and through `wint_mma`, without and with the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -224,7 +234,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
     rows = lowbit.MMA_ROWS
     # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, AHEAD, L2), MMA_ROWS)
-    regs = WAYS["mma"]
+    regs = (0, ahead, l2)  # the default: straight into registers (INT4's loads with the L2 hint)
     variants = {
         "bf16": ({}, "1", False, None, (stages, ahead, l2), rows),
         "int4-triton": (int4, "0", False, None, (stages, ahead, l2), rows),
@@ -233,9 +243,9 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
         "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16),
         "int4-mma-swept": (int4, "1", False, table, regs, rows),
+        "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows),
         "int4-mma-ahead2": (int4, "1", False, None, WAYS["ahead2"], rows),
-        "int4-mma-l2": (int4, "1", False, None, WAYS["l2_256"], rows),
-        "int4-mma-ahead2-l2": (int4, "1", False, None, WAYS["ahead2_l2"], rows),
+        "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows),
         "int8-triton": (int8, "1", False, None, regs, rows),
         "int8-mma": (int8, "1", True, None, regs, rows),
         "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows),

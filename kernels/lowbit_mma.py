@@ -27,6 +27,8 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
 - 0: each step loads the next one's words into registers while it computes. At one row the wide INT4 layers
   read 2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way
   (2 KB a warp, the next step's words, held in registers until they land) against HBM's latency under load.
+  An INT4 layer's loads ask the L2 to fetch 128 bytes of the row (`ld.global.nc.L2::128B`): a step reads 64,
+  so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us).
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
@@ -34,9 +36,9 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
 K splits across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in
 piece order, every piece's load in flight at once.
 
-Measured on the H200: INT4 with STAGES 0 (runs 109-114, the default). The ring and INT8 are right and slower
-(run 114: INT4 batch 1 1.52x bf16 through the ring against 1.71x; INT8 1.09x against the Triton GEMV's 1.29x), so
-both stay off (`MMA_STAGES`, `INT8_MMA`) for side-by-side measurements.
+Measured on the H200: INT4 with STAGES 0 (runs 109-114, the default; the L2 hint from run 127, on an H100). The
+ring and INT8 are right and slower (run 114: INT4 batch 1 1.52x bf16 through the ring against 1.71x; INT8 1.09x
+against the Triton GEMV's 1.29x), so both stay off (`MMA_STAGES`, `INT8_MMA`) for side-by-side measurements.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
 # kernel, which measured faster (run 114: batch 1 1.29x bf16 against this path's 1.09x).
 INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
 # The registers path's depth (STAGES 0): steps of words asked for ahead of the one computed, 1 or 2
-# (TINYPAGED_INT4_MMA_AHEAD), and the L2 prefetch size its word loads ask for, 0 (none: a plain load), 64, 128 or
-# 256 bytes (TINYPAGED_INT4_MMA_L2): a step reads 64 bytes of each row, so the L2 can fetch the next steps' bytes
-# of the row from DRAM with this one's. Both for side-by-side measurements (benchmarks/int4_mma.py).
+# (TINYPAGED_INT4_MMA_AHEAD; 2 measured slower: its registers cost a program a multiprocessor, run 123), and the L2
+# prefetch size of an INT4 layer's word loads: 0 (a plain load), 64, 128 or 256 bytes (TINYPAGED_INT4_MMA_L2). A
+# step reads 64 bytes of each row, the next step the 64 after them: asked with 128, the L2 fetches both from DRAM
+# at once. Measured (H100, runs 123-127): a layer's four INT4 matmuls at one row 64.1 -> 58.8 us (gate_up 33.2 ->
+# 28.1), batch-1 decode 336.4 -> 358.1 tok/s; 256 bytes and 64 bytes no gain. INT8 layers (two words a group
+# step) load plainly: the hint slowed them at 1-8 rows.
 MMA_AHEAD = int(os.environ.get("TINYPAGED_INT4_MMA_AHEAD", "1"))
-MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "0"))
+MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
 # Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
@@ -409,7 +414,7 @@ def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[i
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, MMA_STAGES, MMA_AHEAD, MMA_L2
+    return block_n, warps, split, MMA_STAGES, MMA_AHEAD, MMA_L2 if bits == 4 else 0
 
 
 def wint_mma(
@@ -420,14 +425,15 @@ def wint_mma(
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
     (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, AHEAD, L2]),
-    default `mma_config` (AHEAD and L2 left out: `MMA_AHEAD`, `MMA_L2`). Allocates with torch.empty only and never
+    default `mma_config` (AHEAD and L2 left out: `mma_config`'s). Allocates with torch.empty only and never
     reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
     cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
-    block_n, warps, split, stages, ahead, l2 = (cfg + (MMA_AHEAD, MMA_L2)[len(cfg) - 4 :])[:6]
+    defaults = (MMA_AHEAD, MMA_L2 if w.bits == 4 else 0)
+    block_n, warps, split, stages, ahead, l2 = (cfg + defaults[len(cfg) - 4 :])[:6]
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
     assert ahead in (1, 2) and l2 in (0, 64, 128, 256)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
