@@ -185,18 +185,29 @@ def timing(
             torch.cuda.empty_cache()
 
 
-def prefill_timing(res: dict[str, Any], shapes: list[str]) -> None:
-    """Steps of prompt chunks only, over the bf16 cache and the FP8 one (the default tiles): each shape
-    `NxQ[+C]` is N sequences of Q new tokens after C cached ones (causal), as chunked prefill runs them."""
+# The prefill tiles `--prefill-tiles` times over the FP8 cache: (BLOCK_M query rows, BLOCK_N keys, warps, stages).
+PREFILL_TILES = [
+    (m, n, w, st)
+    for m, w in ((256, 8), (128, 8), (128, 4))
+    for n in (32, 64, 128)
+    for st in (2, 3)
+    if (m, w) != (128, 4) or n > 32
+]
+
+
+def prefill_timing(res: dict[str, Any], shapes: list[str], tiles: bool) -> None:
+    """Steps of prompt chunks only, over the bf16 cache and the FP8 one (the default tiles; with `tiles`, the FP8
+    one at each of `PREFILL_TILES` too): each shape `NxQ[+C]` is N sequences of Q new tokens after C cached ones
+    (causal), as chunked prefill runs them."""
     for shape in shapes:
-        row = prefill_row(shape)
+        row = prefill_row(shape, tiles)
         res.setdefault("prefill", []).append(row)
         print(row, flush=True)
         torch.cuda.empty_cache()
 
 
-def prefill_row(shape: str) -> dict[str, Any]:
-    """One `--prefill` shape timed over both caches."""
+def prefill_row(shape: str, tiles: bool) -> dict[str, Any]:
+    """One `--prefill` shape timed over both caches (and the FP8 one at each of `PREFILL_TILES`, with `tiles`)."""
     n, rest = shape.split("x")
     new, _, ctx = rest.partition("+")
     q_lens, ctx_lens = [int(new)] * int(n), [int(ctx or 0)] * int(n)
@@ -205,10 +216,10 @@ def prefill_row(shape: str) -> dict[str, Any]:
     # causal FLOPs: each new token against its own context (QK and PV, 2 FLOPs a multiply-add)
     flops = sum(4 * HQ * D * (c * qn + qn * (qn + 1) / 2) for qn, c in zip(q_lens, ctx_lens, strict=True))
 
-    def run(cache: torch.Tensor, ks: float = 1.0, vs: float = 1.0):
+    def run(cache: torch.Tensor, ks: float = 1.0, vs: float = 1.0, cfgs: Any = None):
         return lambda: tk.paged_attention(
             q, cache, bt, sl, qsl, D**-0.5, max_query_len=int(new), max_seq_len=int(sl.max()),
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, configs=cfgs,
         )  # fmt: skip
 
     row: dict[str, Any] = {"shape": shape, "tokens": sum(q_lens), "gflop": flops / 1e9}
@@ -217,6 +228,22 @@ def prefill_row(shape: str) -> dict[str, Any]:
     row["bf16_us"] = bench(run(kv)) * 1e3
     row["fp8_us"] = bench(run(q8, k_scale, v_scale)) * 1e3
     row["bf16_tflops"], row["fp8_tflops"] = (flops / row[k] / 1e6 for k in ("bf16_us", "fp8_us"))
+    if tiles:
+        dec = tk.attention.default_configs(q, HQ // HKV)[0]
+        want = run(kv)()
+        for m, n, w, st in PREFILL_TILES:
+            key = f"fp8 {m}x{n}/{w}w/{st}s"
+            cfgs = (dec, AttnConfig(m, n, num_warps=w, num_stages=st))
+            try:
+                got = run(q8, k_scale, v_scale, cfgs)()
+                row[key + "_err"] = rel_err(got, want)
+                row[key + "_us"] = bench(run(q8, k_scale, v_scale, cfgs)) * 1e3
+            except Exception as e:  # noqa: BLE001 - a tile past the shared memory: recorded, the others go on
+                row[key + "_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        timed = {k[:-3]: v for k, v in row.items() if k.startswith("fp8 ") and k.endswith("_us")}
+        if timed:
+            best = min(timed, key=timed.__getitem__)
+            row["fp8_best_tile"], row["fp8_best_us"] = best[4:], timed[best]
     return row
 
 
@@ -235,6 +262,9 @@ def main() -> None:
     )
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument(
+        "--prefill-tiles", action="store_true", help="with --prefill: the FP8 cache at each of PREFILL_TILES"
+    )
+    ap.add_argument(
         "--prefill",
         nargs="*",
         default=[],
@@ -247,7 +277,7 @@ def main() -> None:
         checks(res)
         write_json(args.json, res)
     if args.prefill:
-        prefill_timing(res, args.prefill)
+        prefill_timing(res, args.prefill, args.prefill_tiles)
         write_json(args.json, res)
     timing(res, args.batches, args.contexts, args.gluon_splits, args.ragged)
     write_json(args.json, res)
@@ -255,6 +285,11 @@ def main() -> None:
         print(
             f"prefill {r['shape']:>12}: bf16 {r['bf16_us']:8.1f} us ({r['bf16_tflops']:5.1f} TFLOP/s), FP8 cache "
             f"{r['fp8_us']:8.1f} us ({r['fp8_tflops']:5.1f}): {r['bf16_us'] / r['fp8_us']:.2f}x"
+            + (
+                f"; best tile {r['fp8_best_tile']} {r['fp8_best_us']:8.1f} us ({r['bf16_us'] / r['fp8_best_us']:.2f}x)"
+                if "fp8_best_us" in r
+                else ""
+            )
         )
     names = [k[:-3] for k in res["decode"][0] if k.endswith("_us")] if res["decode"] else []
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{n:>16}" for n in names) + "   (us; FP8 / bf16 speedup)")
