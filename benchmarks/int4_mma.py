@@ -40,15 +40,18 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 ODD = [("odd-a", 200, 384), ("odd-b", 1000, 1152)]
 # Ring depths checked and swept: 0 (the words straight into registers) and the shared ring's.
 RING = 4
-# The ways the words come in, checked and timed (`--ways`): (STAGES, AHEAD, L2) of `wint_mma`'s config. `mma`:
-# the default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
-# bytes, an INT8 layer's plain); `plain`: one step ahead, plain loads (the default before run 127); `ring`: through
-# the shared ring; `ahead2`: two steps ahead, plain loads; `l2_64` / `l2_128` / `l2_256`: one step ahead, each load
-# asking the L2 to fetch that many bytes of the row (INT8 too); `ahead2_l2`: two ahead, 256 bytes.
+# The ways the words come in, checked and timed (`--ways`): (STAGES, L2) of `wint_mma`'s config. `mma`: the
+# default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
+# bytes, an INT8 layer's plain); `plain`: plain loads (the default before run 127); `ring`: through the shared
+# ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too).
 WAYS = {
-    "mma": None, "plain": (0, 1, 0), "ring": (RING, 1, 0), "ahead2": (0, 2, 0), "l2_64": (0, 1, 64),
-    "l2_128": (0, 1, 128), "l2_256": (0, 1, 256), "ahead2_l2": (0, 2, 256),
-}  # fmt: skip
+    "mma": None,
+    "plain": (0, 0),
+    "ring": (RING, 0),
+    "l2_64": (0, 64),
+    "l2_128": (0, 128),
+    "l2_256": (0, 256),
+}
 
 
 def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
@@ -208,7 +211,7 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
 
 ENGINES = (
     "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
-    "int4-mma-plain", "int4-mma-ahead2", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma-ring",
+    "int4-mma-plain", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma-ring",
 )  # fmt: skip
 
 
@@ -216,7 +219,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
     process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain
-    loads: `-plain`; two steps ahead: `-ahead2`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in
+    loads: `-plain`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in
     shared memory (that also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the
     sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton
     kernels (`INT8_MMA` off) and through `wint_mma`, without and with the ring."""
@@ -230,21 +233,20 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     out = res.setdefault("decode", {})
     table = best_configs(res)
     default = lowbit_mma.mma_config
-    stages, ahead, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2
+    stages, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2
     int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
     rows = lowbit.MMA_ROWS
-    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, AHEAD, L2), MMA_ROWS)
-    regs = (0, ahead, l2)  # the default: straight into registers (INT4's loads with the L2 hint)
+    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, L2), MMA_ROWS)
+    regs = (0, l2)  # the default: straight into registers (INT4's loads with the L2 hint)
     variants = {
-        "bf16": ({}, "1", False, None, (stages, ahead, l2), rows),
-        "int4-triton": (int4, "0", False, None, (stages, ahead, l2), rows),
+        "bf16": ({}, "1", False, None, (stages, l2), rows),
+        "int4-triton": (int4, "0", False, None, (stages, l2), rows),
         "int4-mma": (int4, "1", False, None, regs, rows),
         "int4-mma-ring": (int4, "1", False, None, WAYS["ring"], rows),
         # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
         "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16),
         "int4-mma-swept": (int4, "1", False, table, regs, rows),
         "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows),
-        "int4-mma-ahead2": (int4, "1", False, None, WAYS["ahead2"], rows),
         "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows),
         "int8-triton": (int8, "1", False, None, regs, rows),
         "int8-mma": (int8, "1", True, None, regs, rows),
@@ -256,8 +258,8 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             continue  # no sweep to take the tilings from
         os.environ["TINYPAGED_INT4_MMA"] = env
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
-        # mma_config's ring depth (0: the words straight into registers), registers' depth and L2 prefetch size
-        lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2 = way
+        # mma_config's ring depth (0: the words straight into registers) and INT4's L2 prefetch size
+        lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = way
         lowbit_mma.INT8_MMA = int8_mma
         if tab:
             lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=tab: (
@@ -272,7 +274,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             free_llm(llm)
         finally:
             lowbit_mma.mma_config = default
-            lowbit_mma.MMA_STAGES, lowbit_mma.MMA_AHEAD, lowbit_mma.MMA_L2 = stages, ahead, l2
+            lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = stages, l2
             lowbit_mma.INT8_MMA = False
             lowbit.MMA_ROWS = rows
             os.environ.pop("TINYPAGED_INT4_MMA", None)

@@ -65,14 +65,12 @@ MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
 # INT8 through this kernel (TINYPAGED_INT8_MMA=1); off, INT8 takes kernels/lowbit.py's GEMV and tensor-core
 # kernel, which measured faster (run 114: batch 1 1.29x bf16 against this path's 1.09x).
 INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
-# The registers path's depth (STAGES 0): steps of words asked for ahead of the one computed, 1 or 2
-# (TINYPAGED_INT4_MMA_AHEAD; 2 measured slower: its registers cost a program a multiprocessor, run 123), and the L2
-# prefetch size of an INT4 layer's word loads: 0 (a plain load), 64, 128 or 256 bytes (TINYPAGED_INT4_MMA_L2). A
-# step reads 64 bytes of each row, the next step the 64 after them: asked with 128, the L2 fetches both from DRAM
-# at once. Measured (H100, runs 123-127): a layer's four INT4 matmuls at one row 64.1 -> 58.8 us (gate_up 33.2 ->
-# 28.1), batch-1 decode 336.4 -> 358.1 tok/s; 256 bytes and 64 bytes no gain. INT8 layers (two words a group
-# step) load plainly: the hint slowed them at 1-8 rows.
-MMA_AHEAD = int(os.environ.get("TINYPAGED_INT4_MMA_AHEAD", "1"))
+# The L2 prefetch size of an INT4 layer's word loads on the registers path (STAGES 0): 0 (a plain load), 64, 128
+# or 256 bytes (TINYPAGED_INT4_MMA_L2). A step reads 64 bytes of each row, the next step the 64 after them: asked
+# with 128, the L2 fetches both from DRAM at once. Measured (H100, runs 123-128): a layer's four INT4 matmuls at
+# one row 64.1 -> 58.8 us (gate_up 33.2 -> 28.1), batch-1 decode 337.2 -> 359.4 tok/s; 256 and 64 bytes no gain.
+# INT8 layers load plainly: the hint slowed them at 1-8 rows. (Two steps' words in flight instead of one, tried
+# beside it, lost: 155 registers a thread, a program a multiprocessor fewer; benchmarks/NOTES.md.)
 MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
@@ -241,8 +239,8 @@ def _wint_mma_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y, sym_zero,
     BITS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-    L2: gl.constexpr, USE_PDL: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, L2: gl.constexpr,
+    USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -288,31 +286,19 @@ def _wint_mma_kernel(
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
-        # The words straight into registers: the first AHEAD steps' words and the first step's parameters are
-        # asked for before the wait on the kernel before; then each step asks for the words AHEAD steps on (the
-        # last ones for the last step's again) and the next step's parameters while it computes.
+        # The words straight into registers: the first step's words and parameters are asked for before the
+        # wait on the kernel before; then each step asks for the next one's while it computes.
         w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK, L2)
-        if AHEAD == 2:
-            w1 = _words(
-                w_ptr, rows, row_ok, k_lo + gl.minimum(1, steps - 1) * STEP_K, stride_w, wcols, PACK, L2
-            )
-        else:
-            w1 = w
         s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
         pdl_start(USE_PDL)
         for i in range(steps):
             k0 = k_lo + i * STEP_K
-            kw = k_lo + gl.minimum(i + AHEAD, steps - 1) * STEP_K
-            w_next = _words(w_ptr, rows, row_ok, kw, stride_w, wcols, PACK, L2)
-            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K
+            kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K  # the last step asks for its own again
+            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols, PACK, L2)
             s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
             xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
             acc = _step(acc, w, s, z, xs, BITS)
-            if AHEAD == 2:
-                w, w1 = w1, w_next
-            else:
-                w = w_next
-            s, z = s_next, z_next
+            w, s, z = w_next, s_next, z_next
     else:
         # The words through a ring of STAGES steps in shared memory, STAGES - 1 steps in flight (cp.async): bytes
         # in flight that hold no registers. A row's 16 words in four 16-byte units, unit u of row r stored at
@@ -401,20 +387,20 @@ def _runs_on(device_index: int) -> bool:
 
 
 def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
-    """(BLOCK_N, WARPS, SPLIT, STAGES, AHEAD, L2): four warps of two 16-row tiles (128 weight rows a program), K
-    split until the programs are about three a multiprocessor (each piece at least two steps of 16 words a row),
-    the words straight into registers (`MMA_STAGES` 0; `MMA_AHEAD` steps ahead, loads asking the L2 for `MMA_L2`
-    bytes) or through a ring of that many steps in shared memory. The split from run 110's graph-timed INT4 sweep
-    at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv
-    split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded
-    into the column sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
+    """(BLOCK_N, WARPS, SPLIT, STAGES, L2): four warps of two 16-row tiles (128 weight rows a program), K split
+    until the programs are about three a multiprocessor (each piece at least two steps of 16 words a row), the
+    words straight into registers (`MMA_STAGES` 0; an INT4 layer's loads asking the L2 for `MMA_L2` bytes) or
+    through a ring of that many steps in shared memory. The split from run 110's graph-timed INT4 sweep at one row
+    (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv split 8 (8.0
+    us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded into the column
+    sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
     warps, block_n = 4, 128
     tiles = triton.cdiv(n, block_n)
     steps = k // (16 * (32 // bits))
     split = 1
     while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return block_n, warps, split, MMA_STAGES, MMA_AHEAD, MMA_L2 if bits == 4 else 0
+    return block_n, warps, split, MMA_STAGES, MMA_L2 if bits == 4 else 0
 
 
 def wint_mma(
@@ -424,18 +410,17 @@ def wint_mma(
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
-    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, AHEAD, L2]),
-    default `mma_config` (AHEAD and L2 left out: `mma_config`'s). Allocates with torch.empty only and never
-    reads a value back: CUDA graphs capture it."""
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2]), default
+    `mma_config` (L2 left out: `mma_config`'s). Allocates with torch.empty only and never reads a value back: CUDA
+    graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
-    cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
-    defaults = (MMA_AHEAD, MMA_L2 if w.bits == 4 else 0)
-    block_n, warps, split, stages, ahead, l2 = (cfg + defaults[len(cfg) - 4 :])[:6]
+    default = mma_config(m, n, k, bits=w.bits)
+    block_n, warps, split, stages, l2 = (*(config or default)[:4], (*(config or default), default[4])[4])
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
-    assert ahead in (1, 2) and l2 in (0, 64, 128, 256)
+    assert l2 in (0, 64, 128, 256)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -449,6 +434,6 @@ def wint_mma(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
         y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0), 1 << (w.bits - 1),
         BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, STAGES=stages, AHEAD=ahead, L2=l2, num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, STAGES=stages, L2=l2, num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

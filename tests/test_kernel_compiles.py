@@ -432,23 +432,13 @@ def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("bits", "block_m", "split", "stages", "zeros", "ahead", "l2"),
-    [(4, 8, 1, 0, True, 1, 0), (4, 8, 8, 0, True, 1, 0), (4, 16, 2, 0, True, 1, 0), (4, 8, 1, 4, True, 1, 0)]
-    + [
-        (4, 8, 8, 3, False, 1, 0),
-        (4, 8, 2, 0, True, 2, 0),
-        (4, 8, 2, 0, True, 1, 128),
-        (4, 8, 8, 0, False, 2, 256),
-    ]
-    + [
-        (8, 8, 1, 0, False, 1, 0),
-        (8, 16, 4, 0, True, 1, 0),
-        (8, 8, 2, 4, False, 1, 0),
-        (8, 8, 2, 0, True, 2, 256),
-    ],
+    ("bits", "block_m", "split", "stages", "zeros", "l2"),
+    [(4, 8, 1, 0, True, 0), (4, 8, 8, 0, True, 128), (4, 16, 2, 0, True, 128), (4, 8, 1, 4, True, 0)]
+    + [(4, 8, 8, 3, False, 0), (4, 8, 2, 0, False, 256), (8, 8, 1, 0, False, 0), (8, 16, 4, 0, True, 0)]
+    + [(8, 8, 2, 4, False, 0), (8, 8, 2, 0, True, 64)],
 )
 def test_wint_mma_kernel_compiles_for_hopper(
-    bits: int, block_m: int, split: int, stages: int, zeros: bool, ahead: int, l2: int
+    bits: int, block_m: int, split: int, stages: int, zeros: bool, l2: int
 ) -> None:
     """The Gluon INT4 / INT8 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into
     mma.sync's registers, the activations in 16-byte loads after the wait on the kernel before (programmatic
@@ -457,8 +447,7 @@ def test_wint_mma_kernel_compiles_for_hopper(
     (stages 0) in 8-byte loads, the first step's before the wait, and no shared memory but a split's one
     broadcast of its counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps'
     before the wait, stages - 2 groups left in flight at each step's wait, read back in 8-byte shared loads.
-    Without a ring, `ahead` steps' words are asked for before the wait, each load through the read-only path
-    with an L2 prefetch size where `l2` names one."""
+    Without a ring, each word load through the read-only path with an L2 prefetch size where `l2` names one."""
     from tinypaged.kernels.lowbit_mma import mma_config
 
     block_n, warps = mma_config(1, 4096, 4096, bits=bits)[:2]
@@ -467,7 +456,6 @@ def test_wint_mma_kernel_compiles_for_hopper(
         "BLOCK_N": block_n,
         "WARPS": warps,
         "STAGES": stages,
-        "AHEAD": ahead,
         "L2": l2,
         "USE_PDL": True,
     }
@@ -490,7 +478,7 @@ def test_wint_mma_kernel_compiles_for_hopper(
             )  # the first step's words before it
             # a thread's words of a step: two 8-byte loads a row, four rows a 32-row tile pair
             loads = [i for i in range(len(ptx)) if ptx.startswith(load, i)]
-            assert sum(i < wait for i in loads) == ahead * 2 * (block_n // (8 * warps))
+            assert sum(i < wait for i in loads) == 2 * (block_n // (8 * warps))
             # Shared memory only where a split's last program learns it is the last (its counter broadcast).
             assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
             assert "cp.async" not in ptx
