@@ -69,7 +69,7 @@ INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
 # or 256 bytes (TINYPAGED_INT4_MMA_L2). A step reads 64 bytes of each row, the next step the 64 after them: asked
 # with 128, the L2 fetches both from DRAM at once. Measured (H100, runs 123-128): a layer's four INT4 matmuls at
 # one row 64.1 -> 58.8 us (gate_up 33.2 -> 28.1), batch-1 decode 337.2 -> 359.4 tok/s; 256 and 64 bytes no gain.
-# INT8 layers load plainly: the hint slowed them at 1-8 rows. (Two steps' words in flight instead of one, tried
+# INT8 layers load plainly: the hint slowed them at 2-8 rows. (Two steps' words in flight instead of one, tried
 # beside it, lost: 155 registers a thread, a program a multiprocessor fewer; benchmarks/NOTES.md.)
 MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
