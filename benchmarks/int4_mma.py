@@ -211,7 +211,7 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
 
 ENGINES = (
     "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
-    "int4-mma-plain", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma-ring",
+    "int4-mma-plain", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma1", "int8-mma-ring",
 )  # fmt: skip
 
 
@@ -222,7 +222,8 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     loads: `-plain`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in
     shared memory (that also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the
     sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton
-    kernels (`INT8_MMA` off) and through `wint_mma`, without and with the ring."""
+    kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and
+    through the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -249,11 +250,14 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows),
         "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows),
         "int8-triton": (int8, "1", False, None, regs, rows),
-        "int8-mma": (int8, "1", True, None, regs, rows),
+        "int8-mma": (int8, "1", True, None, regs, rows),  # the default: 2-16 rows through the kernel
+        "int8-mma1": (int8, "1", True, None, regs, rows),  # from one row (INT8_MMA_MIN_ROWS 1)
         "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows),
     }
+    int8_min, int8_on = lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
     for name in engines:
         kw, env, int8_mma, tab, way, lowbit.MMA_ROWS = variants[name]
+        lowbit.INT8_MMA_MIN_ROWS = 1 if name in ("int8-mma1", "int8-mma-ring") else int8_min
         if name.endswith("swept") and not tab:
             continue  # no sweep to take the tilings from
         os.environ["TINYPAGED_INT4_MMA"] = env
@@ -275,8 +279,8 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         finally:
             lowbit_mma.mma_config = default
             lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = stages, l2
-            lowbit_mma.INT8_MMA = False
-            lowbit.MMA_ROWS = rows
+            lowbit_mma.INT8_MMA = int8_on
+            lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = rows, int8_min
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)

@@ -37,8 +37,11 @@ K splits across programs as in kernels/lowbit.py: the tile's last program to arr
 piece order, every piece's load in flight at once.
 
 Measured on the H200: INT4 with STAGES 0 (runs 109-114, the default; the L2 hint from run 127, on an H100). The
-ring and INT8 are right and slower (run 114: INT4 batch 1 1.52x bf16 through the ring against 1.71x; INT8 1.09x
-against the Triton GEMV's 1.29x), so both stay off (`MMA_STAGES`, `INT8_MMA`) for side-by-side measurements.
+ring is right and slower (run 114: INT4 batch 1 1.52x bf16 through the ring against 1.71x), so it stays off
+(`MMA_STAGES`) for side-by-side measurements. INT8 is slower at one row than the Triton GEMV (run 114: batch 1
+1.09x against 1.29x) and faster from two rows than the Triton tensor-core kernel (a layer's four at 2 / 8 / 16
+rows 102.2 / 109.1 / 117.0 against 113.9 / 130.9 / 167.1 us on the H200, run 119; 127.0 / 136.1 / 140.8 against
+128.5 / 143.4 / 177.9 on an H100, run 127): `model/quant/lowbit.py` sends it INT8 steps of 2-16 rows.
 """
 
 from __future__ import annotations
@@ -62,9 +65,9 @@ from .pdl import pdl_options, pdl_start
 # measurements: the ring measured slower (run 114; benchmarks/NOTES.md, "INT4 in Gluon: the words through a
 # shared ring").
 MMA_STAGES = int(os.environ.get("TINYPAGED_INT4_MMA_STAGES", "0"))
-# INT8 through this kernel (TINYPAGED_INT8_MMA=1); off, INT8 takes kernels/lowbit.py's GEMV and tensor-core
-# kernel, which measured faster (run 114: batch 1 1.29x bf16 against this path's 1.09x).
-INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "0") == "1"
+# INT8 through this kernel (at the row counts `model/quant/lowbit.py` sends it: 2-16); TINYPAGED_INT8_MMA=0 sends
+# INT8 to kernels/lowbit.py's GEMV and tensor-core kernel at every row count, for side-by-side measurements.
+INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "1") == "1"
 # The L2 prefetch size of an INT4 layer's word loads on the registers path (STAGES 0): 0 (a plain load), 64, 128
 # or 256 bytes (TINYPAGED_INT4_MMA_L2). A step reads 64 bytes of each row, the next step the 64 after them: asked
 # with 128, the L2 fetches both from DRAM at once. Measured (H100, runs 123-128): a layer's four INT4 matmuls at

@@ -46,6 +46,8 @@ CONFIGS = {
     "int8": {"quantization": "int8"},
     # INT4 in groups of 128 (a model whose layers take 128 or 256 columns) in bf16: the Gluon kernel's layers.
     "int4_g128": {"quantization": "int4", "dtype": "bfloat16"},
+    # INT8 in groups of 128 in bf16: the Gluon kernel's at 2-16 rows, the GEMV at one.
+    "int8_g128": {"quantization": "int8", "dtype": "bfloat16"},
     # An FP8 cache with its decode steps through the Gluon kernel (switched on; bf16 queries, as on a GPU).
     "fp8_kv_mma": {"kv_cache_dtype": "fp8", "dtype": "bfloat16"},
 }
@@ -207,7 +209,10 @@ def warmed(tiny: Path, wide: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
     """An engine of each configuration, and what its warm-up launches."""
     out = {}
     for name, kw in CONFIGS.items():
-        if name == "int4_g128":  # the layers in the GPU's layout, not repacked for torch's CPU kernels
+        if name in (
+            "int4_g128",
+            "int8_g128",
+        ):  # the layers in the GPU's layout, not repacked for the CPU's kernels
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(IntLinearMethod, "pack_for_cpu", lambda self, layer: None)
                 engine = _engine(wide, **kw)
@@ -248,6 +253,17 @@ def test_every_kernel_is_warmed(warmed, swept) -> None:
     seen = {key[0] for _, warm in warmed.values() for key in warm}
     assert _launched_kernels() - seen == set(NOT_IN_THE_ENGINE)
     assert not {key[0] for keys in swept.values() for key in keys} & set(NOT_IN_THE_ENGINE)
+
+
+def test_int8_in_groups_of_128_takes_the_gluon_kernel_from_two_rows(swept) -> None:
+    """INT8 layers in groups of 128 run the Gluon kernel as on a GPU: both its tiles (up to 8 and up to 16 rows)
+    are launched by the sweep (and warmed: the test above)."""
+    tiles = set()
+    for name, spec, _ in swept["int8_g128"]:
+        args = {entry[0]: entry[1] for entry in spec if len(entry) == 2}
+        if name == "_wint_mma_kernel" and args["BITS"] == 8:
+            tiles.add(args["BLOCK_M"])
+    assert tiles == {8, 16}
 
 
 def test_every_device_side_sampling_field_has_a_variant() -> None:

@@ -133,3 +133,35 @@ def test_the_gluon_kernel_leaves_gguf_mins_to_the_reference() -> None:
     assert lowbit_mma.takes(x, q)
     mins = torch.zeros(256 // 128, 64)
     assert not lowbit_mma.takes(x, q._replace(mins=mins))
+
+
+def test_layers_go_to_the_gluon_kernel_at_its_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wint_linear`'s routing where the Gluon kernel runs (a GPU's: `usable` as `takes`): INT4 in groups of 128
+    through it at 1-8 rows, INT8 at 2-16 (the Triton GEMV at one row, the tensor-core kernel from 17); with
+    `INT8_MMA` off, INT8 never; groups of 64 never."""
+    from tinypaged.kernels import lowbit as kernels
+    from tinypaged.kernels import lowbit_mma
+
+    calls: list[tuple[str, int]] = []
+
+    def record(name: str):
+        return lambda x, w, bias=None: calls.append((name, x.shape[0])) or torch.zeros(x.shape[0], 64)
+
+    monkeypatch.setattr(lowbit_mma, "usable", lowbit_mma.takes)
+    monkeypatch.setattr(lowbit_mma, "wint_mma", record("mma"))
+    monkeypatch.setattr(kernels, "wint_gemv", record("gemv"))
+    monkeypatch.setattr(kernels, "wint_gemm", record("gemm"))
+    monkeypatch.setattr(kernels, "gemv_rows", lambda x, w: 0 if w.bits == 4 else 1)  # the device's rule
+
+    def route(bits: int, group: int) -> dict[int, str]:
+        calls.clear()
+        for m in range(1, 19):
+            x, q, _ = operands(m, 64, 256, bits, group, bits == 8, torch.bfloat16, seed=m)
+            lowbit.wint_linear(x, q)
+        return {m: name for name, m in calls}
+
+    assert route(4, 128) == {m: "mma" if m <= 8 else "gemm" for m in range(1, 19)}
+    assert route(8, 128) == {m: "gemv" if m == 1 else "mma" if m <= 16 else "gemm" for m in range(1, 19)}
+    assert route(8, 64) == {m: "gemv" if m == 1 else "gemm" for m in range(1, 19)}
+    monkeypatch.setattr(lowbit_mma, "INT8_MMA", False)
+    assert route(8, 128) == {m: "gemv" if m == 1 else "gemm" for m in range(1, 19)}

@@ -109,17 +109,17 @@ HOST_ONLY_FIELDS = frozenset(
 
 FP8_SWIGLU_TILED_ROWS = 256  # kernels/fp8.py's TILED_ROWS (not imported: the CPU engine never imports Triton)
 
-# Row counts where a linear layer's dispatch changes kernel or tile: ops.linear's GEMV (its tile rows the next
-# power of two) and skinny matmul (bf16 up to _SKINNY_ROWS, cuBLASLt beyond), the FP8 matmul (fp8.py: tiles of
-# 16, 32, 64 and 128 rows up to GEMM_ROWS, torch._scaled_mm beyond; the FP8 SwiGLU in tiles up to
-# kernels/fp8.py's TILED_ROWS), the INT4 / INT8 kernels (lowbit.py: INT4 in groups of 128 through the Gluon
-# kernel up to MMA_ROWS; the GEMV; the tensor-core kernel in tiles of 16, 32 and 64 rows; dequantize and matmul
-# beyond). Each boundary's last row count and the next one: so each class is warmed once a multiple of 16 and
-# once not (Triton specialises an integer on its divisibility by 16). The sweep of tests/engine/test_warmup.py
+# Row counts where a linear layer's dispatch changes kernel or tile: ops.linear's GEMV (its tile rows the next power
+# of two) and skinny matmul (bf16 up to _SKINNY_ROWS, cuBLASLt beyond), the FP8 matmul (fp8.py: tiles of 16, 32, 64
+# and 128 rows up to GEMM_ROWS, torch._scaled_mm beyond; the FP8 SwiGLU in tiles up to kernels/fp8.py's TILED_ROWS),
+# the INT4 / INT8 kernels (lowbit.py: in groups of 128 through the Gluon kernel, INT4 up to MMA_ROWS, INT8 from
+# INT8_MMA_MIN_ROWS to INT8_MMA_ROWS; the GEMV; the tensor-core kernel in tiles of 16, 32 and 64 rows; dequantize
+# and matmul beyond). Each boundary's last row count and the next one: so each class is warmed once a multiple of 16
+# and once not (Triton specialises an integer on its divisibility by 16). The sweep of tests/engine/test_warmup.py
 # holds it against the kernels' own choices.
 _BOUNDARIES = {
     ops._GEMV_ROWS, ops._SKINNY_ROWS, fp8.GEMM_ROWS, FP8_SWIGLU_TILED_ROWS, lowbit.GEMV_ROWS, lowbit.MMA_ROWS,
-    lowbit.GEMM_ROWS, 2, 16, 32, 64, 128,
+    lowbit.INT8_MMA_MIN_ROWS, lowbit.INT8_MMA_ROWS, lowbit.GEMM_ROWS, 2, 16, 32, 64, 128,
 }  # fmt: skip
 ROW_COUNTS: tuple[int, ...] = tuple(sorted({b + d for b in _BOUNDARIES for d in (0, 1) if b + d > 0}))
 

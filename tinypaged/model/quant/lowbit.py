@@ -34,9 +34,13 @@ from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 # is the knob between the kernel and dequantize-then-matmul (run 81's graph-timed sweep: the kernel to 64 rows).
 GEMV_ROWS = 4
 GEMM_ROWS = 64
-# INT4 steps of up to MMA_ROWS rows, groups of 128, go through kernels/lowbit_mma.py (the weights loaded straight
-# into the tensor cores' registers) where `lowbit_mma.usable` says it runs (INT8 too, where switched on there).
+# Steps in groups of 128 go through kernels/lowbit_mma.py (the weights loaded straight into the tensor cores'
+# registers) where `lowbit_mma.usable` says it runs: INT4 from one row up to MMA_ROWS (at 16 rows its two 8-row
+# tiles lost to the Triton kernel, run 110), INT8 from INT8_MMA_MIN_ROWS up to INT8_MMA_ROWS (at one row the
+# Triton GEMV is faster; from two rows this kernel, by up to 30% at 16 on the H200: runs 119 and 127).
 MMA_ROWS = 8
+INT8_MMA_MIN_ROWS = 2
+INT8_MMA_ROWS = 16
 
 
 class IntWeight(NamedTuple):
@@ -153,10 +157,10 @@ def ref_wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = N
 
 def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A weight-only INT4 / INT8 linear layer with `ref_wint_linear`'s numbers, on any device: by the row
-    count, the Gluon kernel (up to MMA_ROWS, where it runs), the Triton GEMV (up to GEMV_ROWS), the
-    tensor-core kernel (up to GEMM_ROWS) or the weight
-    dequantized to x's dtype and torch's matmul; on the CPU torch's packed kernels in bf16 where the layer
-    was packed for them (model/quant/cpu.py), else the reference."""
+    count, the Gluon kernel (INT4 up to MMA_ROWS, INT8 from INT8_MMA_MIN_ROWS to INT8_MMA_ROWS, where it runs),
+    the Triton GEMV (up to GEMV_ROWS), the tensor-core kernel (up to GEMM_ROWS) or the weight dequantized to x's
+    dtype and torch's matmul; on the CPU torch's packed kernels in bf16 where the layer was packed for them
+    (model/quant/cpu.py), else the reference."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -169,7 +173,8 @@ def wint_linear(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None)
     from tinypaged.kernels import lowbit as kernels
     from tinypaged.kernels import lowbit_mma
 
-    if m <= MMA_ROWS and lowbit_mma.usable(x2, w):
+    lo, hi = (1, MMA_ROWS) if w.bits == 4 else (INT8_MMA_MIN_ROWS, INT8_MMA_ROWS)
+    if lo <= m <= hi and lowbit_mma.usable(x2, w):
         y = lowbit_mma.wint_mma(x2, w, bias)
     elif m <= min(GEMV_ROWS, kernels.gemv_rows(x2, w)):
         y = kernels.wint_gemv(x2, w, bias)
