@@ -236,28 +236,28 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     default = lowbit_mma.mma_config
     stages, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2
     int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
-    rows = lowbit.MMA_ROWS
-    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, L2), MMA_ROWS)
+    rows, int8_min, int8_on = lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
+    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, L2), MMA_ROWS,
+    # INT8_MMA_MIN_ROWS)
     regs = (0, l2)  # the default: straight into registers (INT4's loads with the L2 hint)
     variants = {
-        "bf16": ({}, "1", False, None, (stages, l2), rows),
-        "int4-triton": (int4, "0", False, None, (stages, l2), rows),
-        "int4-mma": (int4, "1", False, None, regs, rows),
-        "int4-mma-ring": (int4, "1", False, None, WAYS["ring"], rows),
+        "bf16": ({}, "1", False, None, (stages, l2), rows, int8_min),
+        "int4-triton": (int4, "0", False, None, (stages, l2), rows, int8_min),
+        "int4-mma": (int4, "1", False, None, regs, rows, int8_min),
+        "int4-mma-ring": (int4, "1", False, None, WAYS["ring"], rows, int8_min),
         # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
-        "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16),
-        "int4-mma-swept": (int4, "1", False, table, regs, rows),
-        "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows),
-        "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows),
-        "int8-triton": (int8, "1", False, None, regs, rows),
-        "int8-mma": (int8, "1", True, None, regs, rows),  # the default: 2-16 rows through the kernel
-        "int8-mma1": (int8, "1", True, None, regs, rows),  # from one row (INT8_MMA_MIN_ROWS 1)
-        "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows),
+        "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16, int8_min),
+        "int4-mma-swept": (int4, "1", False, table, regs, rows, int8_min),
+        "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows, int8_min),
+        "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows, int8_min),
+        "int8-triton": (int8, "1", False, None, regs, rows, int8_min),
+        # the default (2-16 rows through the kernel), then from one row
+        "int8-mma": (int8, "1", True, None, regs, rows, int8_min),
+        "int8-mma1": (int8, "1", True, None, regs, rows, 1),
+        "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows, 1),
     }
-    int8_min, int8_on = lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
     for name in engines:
-        kw, env, int8_mma, tab, way, lowbit.MMA_ROWS = variants[name]
-        lowbit.INT8_MMA_MIN_ROWS = 1 if name in ("int8-mma1", "int8-mma-ring") else int8_min
+        kw, env, int8_mma, tab, way, lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = variants[name]
         if name.endswith("swept") and not tab:
             continue  # no sweep to take the tilings from
         os.environ["TINYPAGED_INT4_MMA"] = env

@@ -1,4 +1,4 @@
-"""INT4 and INT8 weight-only matmuls of 1-8 rows on the tensor cores, the weights loaded straight into the MMA's
+"""INT4 and INT8 weight-only matmuls of 1-16 rows on the tensor cores, the weights loaded straight into the MMA's
 registers (Gluon, Triton's layout-explicit dialect): y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias), x in bf16 or
 fp16, codes in groups of 128.
 
@@ -420,8 +420,10 @@ def wint_mma(
     n = w.qweight.shape[0]
     pack = 32 // w.bits
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
-    default = mma_config(m, n, k, bits=w.bits)
-    block_n, warps, split, stages, l2 = (*(config or default)[:4], (*(config or default), default[4])[4])
+    cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
+    if len(cfg) == 4:  # no L2 size given: the default's
+        cfg += mma_config(m, n, k, bits=w.bits)[4:]
+    block_n, warps, split, stages, l2 = cfg
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
     assert l2 in (0, 64, 128, 256)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -209,10 +209,8 @@ def warmed(tiny: Path, wide: Path) -> dict[str, tuple[LLMEngine, set[Key]]]:
     """An engine of each configuration, and what its warm-up launches."""
     out = {}
     for name, kw in CONFIGS.items():
-        if name in (
-            "int4_g128",
-            "int8_g128",
-        ):  # the layers in the GPU's layout, not repacked for the CPU's kernels
+        # The layers in the GPU's layout, not repacked for the CPU's kernels.
+        if name in ("int4_g128", "int8_g128"):
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(IntLinearMethod, "pack_for_cpu", lambda self, layer: None)
                 engine = _engine(wide, **kw)
