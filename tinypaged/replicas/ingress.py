@@ -7,8 +7,9 @@ replicas need in front of them:
 - the routing key: a generation request's prompt, tokenized as the server tokenizes it, as the chained hashes of
   its full blocks (routing.py), computed only for a request that carries the API key (when one is set), so an
   unauthenticated body is never parsed here;
-- failover: a request the replica died before answering (no byte of the response sent) goes to another replica;
-  a stream cut off mid-way ends with an SSE error event (`replica_unavailable`) and `[DONE]`;
+- failover: a request the replica died before answering (no byte of the response sent: the replica's first item
+  holds the head and the first bytes, replica.py) goes to another replica; a stream cut off mid-way ends, after
+  its last whole event, with an SSE error event (`replica_unavailable`) and `[DONE]`;
 - `/metrics`: every replica's, each sample labelled with its replica (the board, replica.py).
 """
 
@@ -22,7 +23,7 @@ import msgspec
 from ray import exceptions as ray_errors
 
 from tinypaged.config import EngineConfig
-from tinypaged.replicas.replica import ResponseHead
+from tinypaged.replicas.replica import ResponseHead, is_event_stream
 from tinypaged.replicas.routing import PROMPT_PATHS, RoutedRequest, route_key
 from tinypaged.server import protocol as p
 from tinypaged.server.app import PUBLIC_PATHS, authorized
@@ -150,9 +151,8 @@ class Ingress:
         assert isinstance(head, ResponseHead)
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head.headers]
         await send({"type": "http.response.start", "status": head.status, "headers": raw})
-        events = any(
-            k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head.headers
-        )
+        await send({"type": "http.response.body", "body": head.body, "more_body": True})
+        events = is_event_stream(head.headers)
         try:
             async for chunk in stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

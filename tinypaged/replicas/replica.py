@@ -39,10 +39,14 @@ STALE_AFTER_S = 5.0  # a replica silent this long (gone) leaves the aggregated /
 
 @dataclass
 class ResponseHead:
-    """The status and headers of a relayed response: the first item of `EngineReplica.forward`'s stream."""
+    """The status, headers and first bytes of a relayed response: the first item of `EngineReplica.forward`'s
+    stream. Its first bytes come with it (a stream's first event, sent after the request's first step), so a
+    replica that dies before the client has any of the body fails the item the ingress waits on, and the
+    ingress offers the request to another replica."""
 
     status: int
     headers: list[tuple[str, str]]
+    body: bytes = b""
 
 
 class EngineReplica:
@@ -97,8 +101,10 @@ class EngineReplica:
             route.method, url, headers=headers, data=route.body or None, skip_auto_headers=("User-Agent",)
         ) as resp:
             keep = [(k, v) for k, v in _raw_headers(resp) if k.lower() not in HOP_BY_HOP]
-            yield ResponseHead(resp.status, [*keep, ("x-tinypaged-replica", self.replica_id)])
-            async for chunk in resp.content.iter_any():
+            pieces = whole_events(resp.content) if is_event_stream(keep) else resp.content.iter_any()
+            first = await anext(pieces, b"")
+            yield ResponseHead(resp.status, [*keep, ("x-tinypaged-replica", self.replica_id)], first)
+            async for chunk in pieces:
                 yield chunk
 
     async def metrics_text(self) -> str:
@@ -147,6 +153,25 @@ class EngineReplica:
         with contextlib.suppress(Exception):
             await self.session.close()
         await stop_server(self.runner)
+
+
+def is_event_stream(headers: list[tuple[str, str]]) -> bool:
+    """Whether a response's headers say its body is server-sent events."""
+    return any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
+
+
+async def whole_events(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
+    """A server-sent event body in whole events (each ends in a blank line), however its bytes arrive: a stream
+    the replica's death cuts off ends between two events, never inside one, before the ingress's error event."""
+    pending = b""
+    async for piece in content.iter_any():
+        pending += piece
+        end = pending.rfind(b"\n\n") + 2
+        if end >= 2:
+            yield pending[:end]
+            pending = pending[end:]
+    if pending:  # the server ended without a blank line (not ours): what it sent, as sent
+        yield pending
 
 
 def _raw_headers(resp: aiohttp.ClientResponse) -> list[tuple[str, str]]:
