@@ -24,7 +24,7 @@ import argparse
 import itertools
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from common import write_json
@@ -62,6 +62,9 @@ def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
 
 BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
+# The rows the tilings are swept at (16: INT4 only, the words in registers: there its 168 registers a thread leave
+# three programs a multiprocessor, and the default split's 448-512 programs of gate_up, o and down two waves).
+SWEPT_ROWS = (1, 8, 16)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -96,6 +99,14 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
+            if m == 1:  # the Triton GEMV with its words a step ahead: the same bits as without
+                cfg = kernels.gemv_config(1, n, k, 128)
+                plain, ahead = (kernels.wint_gemv(x, w, bias, (*cfg, a)) for a in (False, True))
+                out.append(
+                    gemv_ahead_check(
+                        f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]}", plain, ahead, want
+                    )
+                )
             first = None
             for way in ways:  # the words straight into registers, through the shared ring, ...
                 cfg = way_config(way, m, n, k, bits)
@@ -131,6 +142,20 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
     )
 
 
+def gemv_ahead_check(
+    name: str, plain: torch.Tensor, ahead: torch.Tensor, want: torch.Tensor
+) -> dict[str, Any]:
+    row = {
+        "name": f"{name} M=1 gemv_ahead",
+        "err": rel_err(ahead, want),
+        "equal_to_plain": torch.equal(ahead, plain),
+    }
+    row["ok"] = row["err"] < 5e-3 and row["equal_to_plain"]
+    if not row["ok"]:
+        print("CHECK FAILED", row, flush=True)
+    return row
+
+
 def copies_for(n: int, past: float = 256e6) -> int:
     return max(2, math.ceil(past / n))
 
@@ -162,16 +187,26 @@ def timings(
                 )
                 row[f"{way}_tbps"] = nbytes(w) / row[f"{way}_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
+            if m == 1:  # the Triton GEMV (INT8's one-row path) with its words a step ahead
+                cfg = (*kernels.gemv_config(1, n, k, 128), True)
+                row["gemv_ahead_us"] = graph_us(
+                    lambda i, x=x, c=cfg, ws=ws: kernels.wint_gemv(x, ws[i], config=c), len(ws)
+                )
+                row["gemv_ahead_tbps"] = nbytes(w) / row["gemv_ahead_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
-            if not sweep or m not in (1, 8):
+            if not sweep or m not in SWEPT_ROWS or (m == 16 and bits == 8):
                 continue
             steps = k // (16 * (32 // bits))
             rule = lowbit_mma.mma_config(m, n, k, bits=bits)[2]
             # The ring's depths at the default tiling; the other tilings with and without the ring (INT4).
-            tilings = [((4, 2), st) for st in SWEPT_STAGES]
+            tilings = [((4, 2), st) for st in (SWEPT_STAGES if m < 16 else (0,))]
             if bits == 4:
-                tilings += [(t, st) for t in ((4, 1), (8, 1), (2, 2), (4, 4)) for st in (0, RING)]
+                tilings += [
+                    (t, st)
+                    for t in ((4, 1), (8, 1), (2, 2), (4, 4))
+                    for st in ((0, RING) if m < 16 else (0,))
+                ]
             for (warps, reps), stages in tilings:
                 for split in (rule // 2, rule, rule * 2, rule * 4):
                     if split < 1 or steps % split or steps // split < 2:
@@ -209,21 +244,51 @@ def best_configs(res: dict[str, Any]) -> dict[tuple[int, int, int, int], tuple]:
     return {key: cfg for key, (_, cfg) in best.items()}
 
 
-ENGINES = (
-    "bf16", "int4-triton", "int4-mma", "int4-mma-ring", "int4-mma-ring16", "int4-mma-swept",
-    "int4-mma-plain", "int4-mma-l2-256", "int8-triton", "int8-mma", "int8-mma1", "int8-mma-ring",
-)  # fmt: skip
+class Engine(NamedTuple):
+    """An engine of `decode`: its arguments and the kernels' switches it runs under."""
+
+    kw: dict[str, Any]  # engine arguments
+    int4_mma: str = "1"  # TINYPAGED_INT4_MMA
+    int8_mma: bool = False  # lowbit_mma.INT8_MMA
+    swept: bool = False  # the sweep's fastest tilings (M = 1's at one row, M = 8's at 2-8, M = 16's at 9-16)
+    way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
+    mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
+    int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
+    gemv_ahead: bool = False  # kernels/lowbit.py's GEMV_AHEAD
+
+
+INT4, INT8 = {"quantization": "int4"}, {"quantization": "int8"}
+ENGINES = {
+    "bf16": Engine({}),
+    "int4-triton": Engine(INT4, int4_mma="0"),
+    "int4-mma": Engine(INT4),  # the default: straight into registers, the loads with the L2 hint
+    "int4-mma-ring": Engine(INT4, way=WAYS["ring"]),
+    # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
+    "int4-mma-ring16": Engine(INT4, way=WAYS["ring"], mma_rows=16),
+    "int4-mma-swept": Engine(INT4, swept=True),
+    # 9-16 rows through the kernel at the sweep's 16-row tilings (the default split gives two waves there)
+    "int4-mma16-swept": Engine(INT4, swept=True, mma_rows=16),
+    "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
+    "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
+    "int8-triton": Engine(INT8),
+    # the Triton GEMV at one row with its words a step ahead (the Gluon kernel at 2-16 rows, the default)
+    "int8-gemv-ahead": Engine(INT8, int8_mma=True, gemv_ahead=True),
+    # the default (2-16 rows through the kernel), then from one row
+    "int8-mma": Engine(INT8, int8_mma=True),
+    "int8-mma1": Engine(INT8, int8_mma=True, int8_min=1),
+    "int8-mma-ring": Engine(INT8, int8_mma=True, way=WAYS["ring"], int8_min=1),
+}
 
 
 def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> None:
-    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine after the other in this
-    process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
-    tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain
-    loads: `-plain`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in
-    shared memory (that also at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the
-    sweep's fastest (M = 1's at one row, M = 8's at 2-8); INT8 (groups of 128, symmetric) through the Triton
-    kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and
-    through the ring."""
+    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other
+    in this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its
+    default tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes;
+    plain loads: `-plain`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in shared memory (that also
+    at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the sweep's fastest (up to 8
+    rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA`
+    off), through `wint_mma` at 2-16 rows (the default; `int8-gemv-ahead` with the one-row GEMV's words a step
+    ahead) and from one row (`-mma1`), and through the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -235,42 +300,26 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     table = best_configs(res)
     default = lowbit_mma.mma_config
     stages, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2
-    int4, int8 = {"quantization": "int4"}, {"quantization": "int8"}
     rows, int8_min, int8_on = lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
-    # name: (engine arguments, TINYPAGED_INT4_MMA, INT8_MMA, the sweep's table, (STAGES, L2), MMA_ROWS,
-    # INT8_MMA_MIN_ROWS)
-    regs = (0, l2)  # the default: straight into registers (INT4's loads with the L2 hint)
-    variants = {
-        "bf16": ({}, "1", False, None, (stages, l2), rows, int8_min),
-        "int4-triton": (int4, "0", False, None, (stages, l2), rows, int8_min),
-        "int4-mma": (int4, "1", False, None, regs, rows, int8_min),
-        "int4-mma-ring": (int4, "1", False, None, WAYS["ring"], rows, int8_min),
-        # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
-        "int4-mma-ring16": (int4, "1", False, None, WAYS["ring"], 16, int8_min),
-        "int4-mma-swept": (int4, "1", False, table, regs, rows, int8_min),
-        "int4-mma-plain": (int4, "1", False, None, WAYS["plain"], rows, int8_min),
-        "int4-mma-l2-256": (int4, "1", False, None, WAYS["l2_256"], rows, int8_min),
-        "int8-triton": (int8, "1", False, None, regs, rows, int8_min),
-        # the default (2-16 rows through the kernel), then from one row
-        "int8-mma": (int8, "1", True, None, regs, rows, int8_min),
-        "int8-mma1": (int8, "1", True, None, regs, rows, 1),
-        "int8-mma-ring": (int8, "1", True, None, WAYS["ring"], rows, 1),
-    }
+    ahead = kernels.GEMV_AHEAD
     for name in engines:
-        kw, env, int8_mma, tab, way, lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = variants[name]
-        if name.endswith("swept") and not tab:
+        e = ENGINES[name]
+        if e.swept and not table:
             continue  # no sweep to take the tilings from
-        os.environ["TINYPAGED_INT4_MMA"] = env
+        os.environ["TINYPAGED_INT4_MMA"] = e.int4_mma
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
         # mma_config's ring depth (0: the words straight into registers) and INT4's L2 prefetch size
-        lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = way
-        lowbit_mma.INT8_MMA = int8_mma
-        if tab:
-            lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=tab: (
-                t.get((bits, n, k, 1 if m == 1 else 8)) or default(m, n, k, sms, bits)
+        lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = e.way or (stages, l2)
+        lowbit_mma.INT8_MMA = e.int8_mma
+        lowbit.MMA_ROWS = e.mma_rows or rows
+        lowbit.INT8_MMA_MIN_ROWS = e.int8_min or int8_min
+        kernels.GEMV_AHEAD = e.gemv_ahead
+        if e.swept:
+            lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=table: (
+                t.get((bits, n, k, 1 if m == 1 else 8 if m <= 8 else 16)) or default(m, n, k, sms, bits)
             )
         try:
-            llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **kw)
+            llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **e.kw)
             lat = run_latency(llm, modes=("graphs",))
             b16 = run_batch(llm)
             b16.pop("tokens", None)
@@ -281,6 +330,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = stages, l2
             lowbit_mma.INT8_MMA = int8_on
             lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = rows, int8_min
+            kernels.GEMV_AHEAD = ahead
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
@@ -290,7 +340,8 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
 def table(res: dict[str, Any]) -> None:
     nan = float("nan")
     layers = res.get("layers", [])
-    ways = [w for w in WAYS if any(f"{w}_us" in r for r in layers)]
+    # the ways of `WAYS` timed, and the Triton GEMV with its words a step ahead (one row)
+    ways = [w for w in (*WAYS, "gemv_ahead") if any(f"{w}_us" in r for r in layers)]
     print(
         f"\n{'layer':8} {'bits':>4} {'M':>3} {'bf16 us':>8} {'triton us':>9} "
         + " ".join(f"{w + ' us':>12}" for w in ways)
