@@ -8,8 +8,8 @@ losslessly into the INT4 / INT8 layout (`gguf_quant.py`: `qweight`, `scales` and
 `LLM(model="x.gguf")` loads (`fetch.resolve_model`). The embedding, the LM head and the norms are dequantized
 either way. Architectures "llama" (Llama, Mistral; Llama 3.1's RoPE scaling, which llama.cpp stores as a
 `rope_freqs` tensor, back as config.json's `rope_scaling`), "qwen2", "qwen3" and "gemma3" (its text model); the
-vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`. Anything else ends
-with a `WeightsError` rather than a wrong model.
+vocabularies (byte-level BPE, SentencePiece) are built in `gguf_tokenizer.py`, the metadata read, checked and
+made config.json in `gguf_metadata.py`. Anything else ends with a `WeightsError` rather than a wrong model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from .errors import WeightsError
-from .gguf_tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, build_tokenizer
+from .gguf_metadata import (
+    generation_config,
+    hf_config,
+    open_gguf,
+    read_metadata,
+    tokenizer_config,
+)
+from .gguf_tokenizer import build_tokenizer
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -50,13 +57,6 @@ _GEMMA3_TENSORS = _LAYER_TENSORS | {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-# GGUF architecture -> (HF architecture, model_type).
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
 _REPACKED = (
     ".qweight",
     ".scales",
@@ -82,15 +82,21 @@ def convert_gguf(
     given a tokenizer of its own: its `tokenizer` argument)."""
     if dtype not in _DTYPES:
         raise WeightsError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
-    reader = _open(Path(gguf_path))
-    meta = _metadata(reader)
-    config = _llama_config(meta, dtype)
+    reader = open_gguf(Path(gguf_path))
+    meta = read_metadata(reader)
+    config = hf_config(meta, dtype)
+    if config["num_hidden_layers"] > len(reader.tensors):  # before any loop over the layers
+        raise WeightsError(
+            f"GGUF metadata: block_count {config['num_hidden_layers']} but the file holds {len(reader.tensors)} "
+            "tensors"
+        )
     tensors, kinds = _hf_tensors(reader, config, keep_quantized)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     if kinds:
         config["quantization_config"] = {"quant_method": "gguf", "layers": kinds}
     try:  # everything is checked before the first file is written
         tokenizer = build_tokenizer(meta) if vocabulary else None
+        tok_config = tokenizer_config(meta, config) if vocabulary else None
     except WeightsError as e:
         raise WeightsError(f"{gguf_path}: {e}") from e
 
@@ -99,8 +105,8 @@ def convert_gguf(
     _save_safetensors(tensors, out_dir / "model.safetensors", dtype)
     if tokenizer is not None:
         tokenizer.save(str(out_dir / "tokenizer.json"))
-        write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config))
-    write_json(out_dir / "generation_config.json", _generation_config(config))
+        write_json(out_dir / "tokenizer_config.json", tok_config)
+    write_json(out_dir / "generation_config.json", generation_config(config))
     write_json(out_dir / "config.json", config)
 
 
@@ -149,107 +155,18 @@ def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str
     )
 
 
-def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope_rows(weight: np.ndarray, n_head: int, name: str = "a Q or K projection") -> np.ndarray:
     """Undo llama.cpp's row permutation of a Q or K projection weight of `n_head` heads.
 
     HF's RoPE rotates rows i and i + d/2 of each head together, llama.cpp's rows 2i and 2i + 1, so its
     converter interleaves the halves: reshape(n_head, 2, d/2, in) -> swap axes 1, 2. This is the inverse.
     """
     rows, cols = weight.shape
-    return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def _open(path: Path) -> Any:
-    try:
-        import gguf
-    except ImportError as exc:
-        raise WeightsError("the `gguf` package is needed to convert GGUF files: pip install gguf") from exc
-    if not path.is_file():
-        raise WeightsError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises whatever numpy/struct hit on a damaged file
-        raise WeightsError(f"{path}: truncated or not a GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
-def _metadata(reader: Any) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:  # the reader decodes values only here: a damaged string is not UTF-8
-            meta[key] = field.contents()
-        except Exception as exc:
-            path = getattr(reader.data, "filename", "the GGUF file")  # the reader's np.memmap
-            raise WeightsError(
-                f"{path}: truncated or not a GGUF file (metadata {key!r}: {type(exc).__name__}: {exc})"
-            ) from exc
-    return meta
-
-
-def _require(meta: dict[str, Any], key: str) -> Any:
-    if key not in meta:
-        raise WeightsError(f"GGUF metadata lacks {key!r}")
-    return meta[key]
-
-
-def _llama_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
-    arch = _require(meta, "general.architecture")
-    if arch not in _ARCHITECTURES:
+    if rows % (2 * n_head):
         raise WeightsError(
-            f"unsupported GGUF architecture {arch!r} (converted: {', '.join(_ARCHITECTURES)}: Llama, Mistral, "
-            "Qwen2/2.5, Qwen3, Gemma 3)"
+            f"{name} has {rows} rows: not {n_head} heads of rotary pairs (the metadata's count)"
         )
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) and not (arch == "gemma3" and scaling == "linear"):
-        raise WeightsError(f"GGUF files with {scaling!r} RoPE scaling are not supported by this converter")
-
-    hidden = int(_require(meta, f"{arch}.embedding_length"))
-    n_head = int(_require(meta, f"{arch}.attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise WeightsError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
-    tokens = _require(meta, "tokenizer.ggml.tokens")
-    hf_arch, model_type = _ARCHITECTURES[arch]
-    family: dict[str, Any] = {}
-    if arch == "gemma3":
-        # llama.cpp's Gemma 3: windowed layers five in six, their rope base 10000, q scaled by head_dim^-0.5.
-        family = {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": head_dim,
-            "sliding_window": int(_require(meta, f"{arch}.attention.sliding_window")),
-            "sliding_window_pattern": 6,
-            "rope_local_base_freq": 10000.0,
-        }
-        if scaling == "linear":
-            family["rope_scaling"] = {
-                "rope_type": "linear",
-                "factor": float(meta[f"{arch}.rope.scaling.factor"]),
-            }
-    return {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(_require(meta, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_require(meta, f"{arch}.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(_require(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_require(meta, f"{arch}.context_length")),
-        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
-        "tie_word_embeddings": True,  # settled once the tensors are known
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _eos_ids(meta),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": dtype,
-        **family,
-    }
+    return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def _hf_name(gguf_name: str, model_type: str) -> str | None:
@@ -300,9 +217,9 @@ def _hf_tensors(
         # llama.cpp permutes Q and K rows for its "llama" architecture only; it stores Gemma's norm weights as
         # 1 + w, which HF's checkpoints (and the loader) take as w.
         if config["model_type"] == "llama" and name.endswith("q_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_attention_heads"])
+            array = unpermute_rope_rows(array, config["num_attention_heads"], tensor.name)
         elif config["model_type"] == "llama" and name.endswith("k_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_key_value_heads"])
+            array = unpermute_rope_rows(array, config["num_key_value_heads"], tensor.name)
         elif config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
             array = array - 1.0
         tensors[name] = array
@@ -329,7 +246,7 @@ def _repacked(name: str, w: Any, config: dict[str, Any]) -> dict[str, np.ndarray
         parts["mins"] = w.mins.numpy().T
     heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(layer.rpartition(".")[2])
     if config["model_type"] == "llama" and heads:
-        parts = {k: unpermute_rope_rows(v, config[heads]) for k, v in parts.items()}
+        parts = {k: unpermute_rope_rows(v, config[heads], name) for k, v in parts.items()}
     return {f"{layer}.{k}": np.ascontiguousarray(v if k == "qweight" else v.T) for k, v in parts.items()}
 
 
@@ -382,63 +299,6 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) ->
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)
-
-
-def _token(meta: dict[str, Any], key: str) -> str | None:
-    token_id = meta.get(f"tokenizer.ggml.{key}")
-    return None if token_id is None else meta["tokenizer.ggml.tokens"][token_id]
-
-
-def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or []
-    added = {
-        str(i): {
-            "content": tokens[i],
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": kind == TOKEN_CONTROL,
-        }
-        for i, kind in enumerate(types)
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-    }
-    result: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "added_tokens_decoder": added,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    for name, key in (
-        ("bos", "bos_token_id"),
-        ("eos", "eos_token_id"),
-        ("unk", "unknown_token_id"),
-        ("pad", "padding_token_id"),
-    ):
-        token = _token(meta, key)
-        if token is not None:
-            result[f"{name}_token"] = token
-    if "tokenizer.chat_template" in meta:
-        result["chat_template"] = meta["tokenizer.chat_template"]
-    return result
-
-
-def _eos_ids(meta: dict[str, Any]) -> int | list[int] | None:
-    """The ids that end a generation: the GGUF's EOS, and its end-of-turn and end-of-message tokens where it
-    names them (Llama 3.1's `<|eot_id|>` and `<|eom_id|>`, as its own config.json lists them beside EOS)."""
-    found = [meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
-    ids = list(dict.fromkeys(i for i in found if isinstance(i, int) and not isinstance(i, bool)))
-    return ids[0] if len(ids) == 1 else ids or None
-
-
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    result = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    if config.get("pad_token_id") is not None:
-        result["pad_token_id"] = config["pad_token_id"]
-    return result
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -118,9 +118,9 @@ def _gguf_name(name: str) -> str:
 def _write_qwen_gguf(path: Path, family: str, default_gguf: Path) -> None:
     """A tiny random Qwen2 or Qwen3 as llama.cpp writes one (f32), with the default model's vocabulary under
     Qwen's pre-tokenizer."""
-    from tinypaged.weights.gguf_convert import _metadata
+    from tinypaged.weights.gguf_metadata import read_metadata
 
-    meta = _metadata(gguf.GGUFReader(default_gguf))
+    meta = read_metadata(gguf.GGUFReader(default_gguf))
     torch.manual_seed(0)
     cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     # Qwen3's head_dim is its own (128, as HF's GGUF reader assumes); Qwen2's is hidden / heads.
@@ -224,9 +224,9 @@ def _write_llama_gguf(path: Path, gguf_path: Path, pre: str, rope_scaling: dict 
     the HF model it was written from."""
     from test_gguf_convert import _llama_cpp_permute
 
-    from tinypaged.weights.gguf_convert import _metadata
+    from tinypaged.weights.gguf_metadata import read_metadata
 
-    meta = _metadata(gguf.GGUFReader(gguf_path))
+    meta = read_metadata(gguf.GGUFReader(gguf_path))
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=128, intermediate_size=96, num_hidden_layers=2,

@@ -97,11 +97,17 @@ SHAPES = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "att
 }
 
 
-def write_tiny_llama(path: Path, default_gguf: Path, layer_types: list[dict[str, str]]) -> None:
-    """A random 2-layer Llama with the default model's vocabulary, its linear layers in `layer_types`."""
-    from tinypaged.weights.gguf_convert import _metadata
+def write_tiny_llama(
+    path: Path,
+    default_gguf: Path,
+    layer_types: list[dict[str, str]],
+    overrides: dict[str, tuple] | None = None,
+) -> None:
+    """A random 2-layer Llama with the default model's vocabulary, its linear layers in `layer_types`;
+    `overrides`: metadata keys set over the written ones (key -> (value, GGUFValueType))."""
+    from tinypaged.weights.gguf_metadata import read_metadata
 
-    meta = _metadata(gguf.GGUFReader(default_gguf))
+    meta = read_metadata(gguf.GGUFReader(default_gguf))
     rng = np.random.default_rng(2)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
@@ -138,6 +144,8 @@ def write_tiny_llama(path: Path, default_gguf: Path, layer_types: list[dict[str,
                 blocks = rng.integers(0, 256, (rows, cols // per * size), dtype=np.uint8)
                 blocks.reshape(-1, size)[:, -4:] = 0  # Q2_K's float16 d and dmin: zero, finite
             w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+    for key, (value, kind) in (overrides or {}).items():
+        w.add_key_value(key, value, kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -367,10 +375,10 @@ def test_gguf_scheme_resolution_refuses_in_one_line() -> None:
 def test_a_damaged_tokenizer_is_one_clear_error(gguf_path: Path, merges: list[str]) -> None:
     """What the `tokenizers` library refuses of a GGUF's vocabulary or merges (a bare Exception, or a TypeError
     over several lines) is one WeightsError line."""
-    from tinypaged.weights.gguf_convert import _metadata
+    from tinypaged.weights.gguf_metadata import read_metadata
     from tinypaged.weights.gguf_tokenizer import build_tokenizer
 
-    meta = _metadata(gguf.GGUFReader(gguf_path))
+    meta = read_metadata(gguf.GGUFReader(gguf_path))
     with pytest.raises(WeightsError, match="tokenizer cannot be built from its metadata") as err:
         build_tokenizer(meta | {"tokenizer.ggml.merges": merges})
     assert "\n" not in str(err.value)
