@@ -12,10 +12,11 @@ float32 product of the same codes (`ref`: x in float32 @ the dequantized weight)
 bits twice; a row alone against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each
 launch on its own copy of the weight (past the L2), at 1, 2, 4, 8 and 16 rows (`--rows`): bf16 `ops.linear`, the
 Triton path and `wint_mma` each way `--ways` names (default: straight into registers and through a ring of `RING`
-steps), with the weight bytes each reads per second; then a sweep of `wint_mma`'s tilings (warps, 16-row tiles a
-warp, K split, the words' ring depth: 0 straight into registers, else cp.async through shared memory) at 1 and 8
-rows. Then, with `--decode`, the engines of `ENGINES` one after the other (`--engines` picks some: eight take more
-than one call's ten minutes). The table is printed last.
+steps), at one row also the Triton GEMV with its words a step ahead, with the weight bytes each reads per second;
+then a sweep of `wint_mma`'s tilings (warps, 16-row tiles a warp, K split, the words' ring depth: 0 straight into
+registers, else cp.async through shared memory) at 1, 8 and 16 rows (`--sweep-rows`). Then, with `--decode`, the
+engines of `ENGINES` one after the other (`--engines` picks some: eight take more than one call's ten minutes).
+The table is printed last.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
 
 BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
-# The rows the tilings are swept at (16: INT4 only, the words in registers: there its 168 registers a thread leave
-# three programs a multiprocessor, and the default split's 448-512 programs of gate_up, o and down two waves).
+# The rows the tilings are swept at by default (`--sweep-rows`; 16: INT4 only, the words in registers: there its
+# 168 registers a thread leave three programs a multiprocessor, and the default split's 448-512 programs of
+# gate_up, o and down two waves).
 SWEPT_ROWS = (1, 8, 16)
 
 
@@ -161,8 +163,9 @@ def copies_for(n: int, past: float = 256e6) -> int:
 
 
 def timings(
-    res: dict[str, Any], gen: torch.Generator, sweep: bool, path: str, ways: list[str], ms: list[int]
+    res: dict[str, Any], gen: torch.Generator, sweep: list[int], path: str, ways: list[str], ms: list[int]
 ) -> None:
+    """The layers timed at rows `ms`, each way of `ways`; the tilings swept at the rows of `sweep` among them."""
     rows_out, sweep_out = res.setdefault("layers", []), res.setdefault("sweep", [])
     for (name, n, k), bits in itertools.product(SHAPES, BITS):
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
@@ -195,7 +198,7 @@ def timings(
                 row["gemv_ahead_tbps"] = nbytes(w) / row["gemv_ahead_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
-            if not sweep or m not in SWEPT_ROWS or (m == 16 and bits == 8):
+            if m not in sweep or (m == 16 and bits == 8):
                 continue
             steps = k // (16 * (32 // bits))
             rule = lowbit_mma.mma_config(m, n, k, bits=bits)[2]
@@ -405,6 +408,13 @@ def main() -> None:
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="the layers' rows timed")
     ap.add_argument(
+        "--sweep-rows",
+        type=int,
+        nargs="+",
+        default=list(SWEPT_ROWS),
+        help="of --rows, those the tilings are swept at",
+    )
+    ap.add_argument(
         "--resume", action="store_true", help="start from --json's results (a sweep for --decode)"
     )
     args = ap.parse_args()
@@ -420,7 +430,7 @@ def main() -> None:
         checks(res, gen, args.quick_checks, args.ways)
         write_json(args.json, res)
     if not args.skip_layers:
-        timings(res, gen, not args.no_sweep, args.json, args.ways, args.rows)
+        timings(res, gen, [] if args.no_sweep else args.sweep_rows, args.json, args.ways, args.rows)
         write_json(args.json, res)
     if args.decode:
         decode(res, args.decode, args.engines, args.json)
