@@ -366,9 +366,8 @@ def _wint_kernel(
                     w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
                 )
                 s, z = s_next, z_next
-                g_next = (
-                    tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP
-                )  # the last step loads its own again
+                # the last step loads its own again
+                g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP
                 s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
                 step = tl.zeros(acc.shape, dtype=tl.float32)
                 if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)

@@ -82,7 +82,8 @@ def _number(meta: dict[str, Any], key: str, default: float | None = None, positi
 def _token_id(meta: dict[str, Any], key: str) -> int | None:
     """`tokenizer.ggml.<key>`, a token id of the vocabulary (None where absent), else one WeightsError naming it."""
     value = meta.get(f"tokenizer.ggml.{key}")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, list) else []
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens)
     ):
@@ -98,6 +99,8 @@ def _token(meta: dict[str, Any], key: str) -> str | None:
 
 
 def hf_config(meta: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json of the model the metadata describes, weights in `dtype` (`tie_word_embeddings` and the
+    quantization are settled by the converter once the tensors are read)."""
     arch = _require(meta, "general.architecture")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise WeightsError(
@@ -171,6 +174,7 @@ def _eos_ids(meta: dict[str, Any]) -> int | list[int] | None:
 
 
 def tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json: the special and added tokens, the BOS / EOS flags, the chat template."""
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or []
     added = {
@@ -208,6 +212,7 @@ def tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, 
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json: the BOS, EOS (and pad) ids of `config`."""
     result = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     if config.get("pad_token_id") is not None:
         result["pad_token_id"] = config["pad_token_id"]
