@@ -199,23 +199,29 @@ def check_values(cfg: ModelConfig, path: Path) -> None:
         "max_position_embeddings": cfg.max_position_embeddings,
     }
     for name, size in sizes.items():
-        if not 0 < size < 2**31:
+        if not is_size(size):
             raise ConfigError(f"bad config.json in {path}: {name} {size} is not a size from 1 to 2^31 - 1")
     if cfg.head_dim % 2:
         raise ConfigError(f"bad config.json in {path}: head_dim {cfg.head_dim} is odd (rotary takes pairs)")
     _check_rope(cfg, path)
 
 
-def _finite(v: Any) -> bool:
+def finite(v: Any) -> bool:
     """Whether v is a finite JSON number (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def is_size(v: Any) -> bool:
+    """Whether v is a size the engine can run: an integer (not a bool) from 1 to 2^31 - 1 (tensor dimensions and
+    kernel indices are 32-bit)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31
+
+
 def _check_rope(cfg: ModelConfig, path: Path) -> None:
     """ConfigError where the rotary settings (or the norm's eps) would give NaNs, or fail where they are used."""
-    if not (_finite(cfg.rope_theta) and cfg.rope_theta > 0):
+    if not (finite(cfg.rope_theta) and cfg.rope_theta > 0):
         raise ConfigError(f"bad config.json in {path}: rope_theta {cfg.rope_theta} is not a positive number")
-    if not (_finite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
+    if not (finite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
         raise ConfigError(f"bad config.json in {path}: rms_norm_eps {cfg.rms_norm_eps} is not a number >= 0")
     scaling = cfg.rope_scaling
     if scaling is None:
@@ -223,12 +229,12 @@ def _check_rope(cfg: ModelConfig, path: Path) -> None:
     if not isinstance(scaling, dict):
         raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling!r} is not an object")
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in ("linear", "llama3") and not (_finite(scaling.get("factor")) and scaling["factor"] > 0):
+    if kind in ("linear", "llama3") and not (finite(scaling.get("factor")) and scaling["factor"] > 0):
         raise ConfigError(f"bad config.json in {path}: rope_scaling {scaling} needs a positive factor")
     if kind == "llama3":
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_ctx = scaling.get("original_max_position_embeddings", 8192)
-        if not (_finite(low) and _finite(high) and high > low and _finite(old_ctx) and old_ctx > 0):
+        if not (finite(low) and finite(high) and high > low and finite(old_ctx) and old_ctx > 0):
             raise ConfigError(
                 f"bad config.json in {path}: rope_scaling {scaling} needs high_freq_factor > low_freq_factor "
                 "and a positive original_max_position_embeddings"

@@ -7,9 +7,10 @@ tokenizer_config.json, generation_config.json). `gguf_convert.py` converts the t
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
+
+from tinypaged.config_json import finite, is_size
 
 from .errors import WeightsError
 from .gguf_tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
@@ -64,7 +65,7 @@ def _size(meta: dict[str, Any], key: str, default: int | None = None) -> int:
     """A count or dimension of the metadata: an integer from 1 to 2^31 - 1 (config.json's rule), else one
     WeightsError naming it. A damaged or hostile file's 0 or 2^40 never reaches a division or a loop."""
     value = _require(meta, key) if default is None else meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+    if not is_size(value):
         raise WeightsError(f"GGUF metadata {key!r} is {value!r}: not a size from 1 to 2^31 - 1")
     return value
 
@@ -72,8 +73,7 @@ def _size(meta: dict[str, Any], key: str, default: int | None = None) -> int:
 def _number(meta: dict[str, Any], key: str, default: float | None = None, positive: bool = False) -> float:
     """A finite real of the metadata (> 0 where `positive`, else >= 0), else one WeightsError naming it."""
     value = _require(meta, key) if default is None else meta.get(key, default)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
+    if not finite(value) or value < 0 or (positive and value == 0):
         rule = "a positive number" if positive else "a number >= 0"
         raise WeightsError(f"GGUF metadata {key!r} is {value!r}: not {rule}")
     return float(value)
