@@ -63,9 +63,9 @@ def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
 
 BITS = (4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
-# The rows the tilings are swept at by default (`--sweep-rows`; 16: INT4 only, the words in registers: there its
-# 168 registers a thread leave three programs a multiprocessor, and the default split's 448-512 programs of
-# gate_up, o and down two waves).
+# The rows the tilings are swept at by default (`--sweep-rows`; at 16, the words in registers, one and two 16-row
+# tiles a warp at every split: the registers a thread set the programs a multiprocessor holds there, hence
+# `mma_config`'s one-wave rule from 9 rows).
 SWEPT_ROWS = (1, 8, 16)
 
 
@@ -198,20 +198,20 @@ def timings(
                 row["gemv_ahead_tbps"] = nbytes(w) / row["gemv_ahead_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
-            if m not in sweep or (m == 16 and bits == 8):
+            if m not in sweep:
                 continue
             steps = k // (16 * (32 // bits))
             rule = lowbit_mma.mma_config(m, n, k, bits=bits)[2]
-            # The ring's depths at the default tiling; the other tilings with and without the ring (INT4).
+            # The ring's depths at the 8-row tiling; the other tilings with and without the ring (INT4); at 16 rows
+            # (registers only) one and two 16-row tiles a warp, both bits, every split.
             tilings = [((4, 2), st) for st in (SWEPT_STAGES if m < 16 else (0,))]
-            if bits == 4:
-                tilings += [
-                    (t, st)
-                    for t in ((4, 1), (8, 1), (2, 2), (4, 4))
-                    for st in ((0, RING) if m < 16 else (0,))
-                ]
+            if m == 16:
+                tilings += [(t, 0) for t in ((8, 1), (4, 1), (2, 1), (2, 2))]
+            elif bits == 4:
+                tilings += [(t, st) for t in ((4, 1), (8, 1), (2, 2), (4, 4)) for st in (0, RING)]
+            splits = (1, 2, 4, 8, 16) if m == 16 else (rule // 2, rule, rule * 2, rule * 4)
             for (warps, reps), stages in tilings:
-                for split in (rule // 2, rule, rule * 2, rule * 4):
+                for split in splits:
                     if split < 1 or steps % split or steps // split < 2:
                         continue
                     cfg = (16 * warps * reps, warps, split, stages)
@@ -265,6 +265,8 @@ ENGINES = {
     "bf16": Engine({}),
     "int4-triton": Engine(INT4, int4_mma="0"),
     "int4-mma": Engine(INT4),  # the default: straight into registers, the loads with the L2 hint
+    # 9-16 rows through the kernel too, at mma_config's one-wave tilings (`int4-mma` in runs 130 and 132)
+    "int4-mma16": Engine(INT4, mma_rows=16),
     "int4-mma-ring": Engine(INT4, way=WAYS["ring"]),
     # Batch 16 through the kernel too: at 16 rows it lost with the words in registers (168 a thread).
     "int4-mma-ring16": Engine(INT4, way=WAYS["ring"], mma_rows=16),
@@ -287,9 +289,9 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other
     in this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its
     default tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes;
-    plain loads: `-plain`; 256 bytes: `-l2-256`) and through a ring of `RING` steps in shared memory (that also
-    at 9-16 rows: `int4-mma-ring16`, `MMA_ROWS` 16), and, where the sweep ran, at the sweep's fastest (up to 8
-    rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA`
+    plain loads: `-plain`; 256 bytes: `-l2-256`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and through a
+    ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran, at the
+    sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA`
     off), through `wint_mma` at 2-16 rows (the default; `int8-gemv-ahead` with the one-row GEMV's words a step
     ahead) and from one row (`-mma1`), and through the ring."""
     import os
@@ -318,9 +320,13 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         lowbit.INT8_MMA_MIN_ROWS = e.int8_min or int8_min
         kernels.GEMV_AHEAD = e.gemv_ahead
         if e.swept:
-            lowbit_mma.mma_config = lambda m, n, k, sms=132, bits=4, t=table: (
-                t.get((bits, n, k, 1 if m == 1 else 8 if m <= 8 else 16)) or default(m, n, k, sms, bits)
-            )
+
+            def swept(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
+                # the sweep's tiling (its words' L2 size the default's, as the sweep ran it) or the default
+                cfg = table.get((bits, n, k, 1 if m == 1 else 8 if m <= 8 else 16))
+                return default(m, n, k, sms, bits) if cfg is None else cfg + default(m, n, k, sms, bits)[4:]
+
+            lowbit_mma.mma_config = swept
         try:
             llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **e.kw)
             lat = run_latency(llm, modes=("graphs",))

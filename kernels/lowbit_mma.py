@@ -42,6 +42,9 @@ ring is right and slower (run 114: INT4 batch 1 1.52x bf16 through the ring agai
 1.09x against 1.29x) and faster from two rows than the Triton tensor-core kernel (a layer's four at 2 / 8 / 16
 rows 102.2 / 109.1 / 117.0 against 113.9 / 130.9 / 167.1 us on the H200, run 119; 127.0 / 136.1 / 140.8 against
 128.5 / 143.4 / 177.9 on an H100, run 127): `model/quant/lowbit.py` sends it INT8 steps of 2-16 rows.
+
+One job, past 450 lines: one kernel, its operands' layouts (each split proved trivial where it is made) and the
+launcher that picks its tiling; split apart, the layouts would be read away from the loads they describe.
 """
 
 from __future__ import annotations
@@ -389,21 +392,54 @@ def _runs_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] >= 8
 
 
+# Registers a thread of the INT4 kernel at 9-16 rows (16-row tiles, the words in registers), by (bits, 16-row
+# tiles a warp): the more of its two schemes (zero points or not), compiled for sm_90 (`cuobjdump -res-usage`;
+# tests/test_kernel_compiles.py holds the compiler to them). They set how many programs a multiprocessor holds,
+# so the split that keeps a layer's programs in one wave.
+REGS_16 = {(4, 1): 115, (4, 2): 168}
+SM_REGS = 64 * 1024
+
+
 def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
-    """(BLOCK_N, WARPS, SPLIT, STAGES, L2): four warps of two 16-row tiles (128 weight rows a program), K split
-    until the programs are about three a multiprocessor (each piece at least two steps of 16 words a row), the
-    words straight into registers (`MMA_STAGES` 0; an INT4 layer's loads asking the L2 for `MMA_L2` bytes) or
-    through a ring of that many steps in shared memory. The split from run 110's graph-timed INT4 sweep at one row
-    (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7 against 6.1 us): qkv split 8 (8.0
-    us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the zero points folded into the column
-    sums and 8 or 16 rows a warp were slower or no faster (benchmarks/NOTES.md)."""
-    warps, block_n = 4, 128
-    tiles = triton.cdiv(n, block_n)
+    """(BLOCK_N, WARPS, SPLIT, STAGES, L2), the words straight into registers (`MMA_STAGES` 0; an INT4 layer's
+    loads asking the L2 for `MMA_L2` bytes) or through a ring of that many steps in shared memory.
+
+    Up to 8 rows: four warps of two 16-row weight tiles (128 weight rows a program), K split until the programs
+    are about three a multiprocessor (each piece at least two steps of 16 words a row). The split from run 110's
+    graph-timed INT4 sweep at one row (benchmarks/int4_mma.py), within 0.1 us of the best tiling but o_proj's (6.7
+    against 6.1 us): qkv split 8 (8.0 us), o 16 (6.7), gate_up 2 (25.0), down 16 (13.4). Steps of two groups, the
+    zero points folded into the column sums and 8 or 16 rows a warp were slower or no faster (NOTES.md).
+
+    INT4 from 9 rows (16-row tiles, words in registers): a thread's registers (`REGS_16`) leave fewer programs a
+    multiprocessor, and a split past them runs in two waves (run 127: 1.4-1.8x the 8-row time). Of one weight tile
+    a warp (eight warps, 128 rows) and two (four warps), the tiling with the most warps in flight in one wave, K
+    split as far as that wave holds; two tiles where level. Run 129's 16-row sweep (H100) has each layer within
+    0.9 us of its best; a layer's four 84.9 us against 103.2 at the 8-row rule and the Triton kernel's 88.2 (run
+    130; on the H200 82.8 against 75.4, run 133, so the engine sends 9-16 rows to the Triton kernel:
+    model/quant/lowbit.py's MMA_ROWS). INT8 keeps the 8-row rule: its four layers at 16 rows 143.4 us (run 129)
+    against 154.6 at this one, and batch 16 4% slower (run 130)."""
     steps = k // (16 * (32 // bits))
-    split = 1
-    while tiles * split < 2.9 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
+    l2 = MMA_L2 if bits == 4 else 0
+
+    def can_split(split: int) -> bool:  # twice `split`: pieces of at least two steps, dividing K's steps
+        return steps % (split * 2) == 0 and steps // (split * 2) >= 2
+
+    if m > 8 and bits == 4 and MMA_STAGES == 0:
+        best: tuple[int, ...] = ()
+        for reps, warps in ((2, 4), (1, 8)):  # two tiles first: kept where level
+            block_n = 16 * reps * warps
+            fits = sms * (SM_REGS // (REGS_16[bits, reps] * 32 * warps))  # programs in one wave
+            tiles, split = triton.cdiv(n, block_n), 1
+            while tiles * split * 2 <= fits and can_split(split):
+                split *= 2
+            in_flight = min(tiles * split, fits) * warps
+            if not best or in_flight > best[0]:
+                best = (in_flight, block_n, warps, split)
+        return (*best[1:], 0, l2)
+    tiles, split = triton.cdiv(n, 128), 1
+    while tiles * split < 2.9 * sms and can_split(split):
         split *= 2
-    return block_n, warps, split, MMA_STAGES, MMA_L2 if bits == 4 else 0
+    return 128, 4, split, MMA_STAGES, l2
 
 
 def wint_mma(

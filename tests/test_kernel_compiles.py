@@ -500,6 +500,50 @@ def test_wint_mma_kernel_compiles_for_hopper(
             assert kernel.metadata.shared >= stages * block_n * 64
 
 
+def _registers(kernel: Any) -> tuple[int, int]:
+    """Registers a thread of a compiled kernel and its stack bytes (spills), read from its cubin by the cuobjdump
+    that ships with Triton."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        tool = Path(nvidia.__path__[0]) / "bin" / "cuobjdump"
+        usage = subprocess.run(
+            [str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+        )
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_wint_mma_registers_at_16_rows() -> None:
+    """`mma_config` splits an INT4 layer of 9-16 rows by how many programs a multiprocessor holds, from
+    `REGS_16`'s registers a thread: the compiled kernel, with or without zero points, needs no more than the table
+    says, and the table's figure is one of the two schemes' own (no stale headroom); neither spills."""
+    from tinypaged.kernels.lowbit_mma import REGS_16
+
+    for (bits, reps), want in REGS_16.items():
+        counts = []
+        for zeros in (True, False):
+            warps = 8 // reps
+            constexprs = {"BITS": bits, "HAS_ZERO": zeros, "HAS_BIAS": False, "SPLIT": 8, "BLOCK_M": 16}
+            constexprs |= {
+                "BLOCK_N": 16 * reps * warps,
+                "WARPS": warps,
+                "STAGES": 0,
+                "L2": 128,
+                "USE_PDL": True,
+            }
+            regs, stack = _registers(_wint_mma_compile(constexprs))
+            assert stack == 0, (bits, reps, zeros)
+            counts.append(regs)
+        assert max(counts) == want, (bits, reps, counts)
+
+
 @pytest.mark.parametrize(
     ("head_dim", "split"), [(128, False), (128, True), (64, True), (32, False), (16, True)]
 )

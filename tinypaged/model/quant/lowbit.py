@@ -35,9 +35,11 @@ from tinypaged.model.quant.cpu import CpuPacked, packed_linear
 GEMV_ROWS = 4
 GEMM_ROWS = 64
 # Steps in groups of 128 go through kernels/lowbit_mma.py (the weights loaded straight into the tensor cores'
-# registers) where `lowbit_mma.usable` says it runs: INT4 from one row up to MMA_ROWS (at 16 rows its two 8-row
-# tiles lost to the Triton kernel, run 110), INT8 from INT8_MMA_MIN_ROWS up to INT8_MMA_ROWS (at one row the
-# Triton GEMV is faster; from two rows this kernel, by up to 30% at 16 on the H200: runs 119 and 127).
+# registers) where `lowbit_mma.usable` says it runs: INT4 from one row up to MMA_ROWS (at 9-16 rows the Triton
+# kernel: with `mma_config`'s one-wave tilings there, batch 16 gained 1% on an H100 (run 130) and lost 6% on the
+# H200 (run 132), where the Triton kernel's layers take 75.4 us against 82.8, run 133), INT8 from
+# INT8_MMA_MIN_ROWS up to INT8_MMA_ROWS (at one row the Triton GEMV is faster; from two rows this kernel, by up
+# to 30% at 16 on the H200: runs 119 and 127).
 MMA_ROWS = 8
 INT8_MMA_MIN_ROWS = 2
 INT8_MMA_ROWS = 16
