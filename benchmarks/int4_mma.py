@@ -12,11 +12,10 @@ float32 product of the same codes (`ref`: x in float32 @ the dequantized weight)
 bits twice; a row alone against the same row within a batch of 16. Then the layers timed as CUDA-graph replays, each
 launch on its own copy of the weight (past the L2), at 1, 2, 4, 8 and 16 rows (`--rows`): bf16 `ops.linear`, the
 Triton path and `wint_mma` each way `--ways` names (default: straight into registers and through a ring of `RING`
-steps), at one row also the Triton GEMV with its words a step ahead, with the weight bytes each reads per second;
-then a sweep of `wint_mma`'s tilings (warps, 16-row tiles a warp, K split, the words' ring depth: 0 straight into
-registers, else cp.async through shared memory) at 1, 8 and 16 rows (`--sweep-rows`). Then, with `--decode`, the
-engines of `ENGINES` one after the other (`--engines` picks some: eight take more than one call's ten minutes).
-The table is printed last.
+steps), with the weight bytes each reads per second; then a sweep of `wint_mma`'s tilings (warps, 16-row tiles a
+warp, K split, the words' ring depth: 0 straight into registers, else cp.async through shared memory) at 1, 8 and 16
+rows (`--sweep-rows`). Then, with `--decode`, the engines of `ENGINES` one after the other (`--engines` picks some:
+eight take more than one call's ten minutes). The table is printed last.
 """
 
 from __future__ import annotations
@@ -101,14 +100,6 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
-            if m == 1:  # the Triton GEMV with its words a step ahead: the same bits as without
-                cfg = kernels.gemv_config(1, n, k, 128)
-                plain, ahead = (kernels.wint_gemv(x, w, bias, (*cfg, a)) for a in (False, True))
-                out.append(
-                    gemv_ahead_check(
-                        f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]}", plain, ahead, want
-                    )
-                )
             first = None
             for way in ways:  # the words straight into registers, through the shared ring, ...
                 cfg = way_config(way, m, n, k, bits)
@@ -144,20 +135,6 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
     )
 
 
-def gemv_ahead_check(
-    name: str, plain: torch.Tensor, ahead: torch.Tensor, want: torch.Tensor
-) -> dict[str, Any]:
-    row = {
-        "name": f"{name} M=1 gemv_ahead",
-        "err": rel_err(ahead, want),
-        "equal_to_plain": torch.equal(ahead, plain),
-    }
-    row["ok"] = row["err"] < 5e-3 and row["equal_to_plain"]
-    if not row["ok"]:
-        print("CHECK FAILED", row, flush=True)
-    return row
-
-
 def copies_for(n: int, past: float = 256e6) -> int:
     return max(2, math.ceil(past / n))
 
@@ -190,12 +167,6 @@ def timings(
                 )
                 row[f"{way}_tbps"] = nbytes(w) / row[f"{way}_us"] / 1e6
             row["triton_tbps"] = nbytes(w) / row["triton_us"] / 1e6
-            if m == 1:  # the Triton GEMV (INT8's one-row path) with its words a step ahead
-                cfg = (*kernels.gemv_config(1, n, k, 128), True)
-                row["gemv_ahead_us"] = graph_us(
-                    lambda i, x=x, c=cfg, ws=ws: kernels.wint_gemv(x, ws[i], config=c), len(ws)
-                )
-                row["gemv_ahead_tbps"] = nbytes(w) / row["gemv_ahead_us"] / 1e6
             rows_out.append(row)
             print(row, flush=True)
             if m not in sweep:
@@ -257,7 +228,6 @@ class Engine(NamedTuple):
     way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
     mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
     int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
-    gemv_ahead: bool = False  # kernels/lowbit.py's GEMV_AHEAD
 
 
 INT4, INT8 = {"quantization": "int4"}, {"quantization": "int8"}
@@ -276,8 +246,6 @@ ENGINES = {
     "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
     "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
     "int8-triton": Engine(INT8),
-    # the Triton GEMV at one row with its words a step ahead (the Gluon kernel at 2-16 rows, the default)
-    "int8-gemv-ahead": Engine(INT8, int8_mma=True, gemv_ahead=True),
     # the default (2-16 rows through the kernel), then from one row
     "int8-mma": Engine(INT8, int8_mma=True),
     "int8-mma1": Engine(INT8, int8_mma=True, int8_min=1),
@@ -286,14 +254,13 @@ ENGINES = {
 
 
 def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> None:
-    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other
-    in this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its
-    default tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes;
-    plain loads: `-plain`; 256 bytes: `-l2-256`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and through a
-    ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran, at the
-    sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels (`INT8_MMA`
-    off), through `wint_mma` at 2-16 rows (the default; `int8-gemv-ahead` with the one-row GEMV's words a step
-    ahead) and from one row (`-mma1`), and through the ring."""
+    """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other in
+    this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
+    tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain loads:
+    `-plain`; 256 bytes: `-l2-256`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and through a ring of `RING`
+    steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran, at the sweep's fastest
+    (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels
+    (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and through the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -306,7 +273,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     default = lowbit_mma.mma_config
     stages, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2
     rows, int8_min, int8_on = lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
-    ahead = kernels.GEMV_AHEAD
     for name in engines:
         e = ENGINES[name]
         if e.swept and not table:
@@ -318,7 +284,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         lowbit_mma.INT8_MMA = e.int8_mma
         lowbit.MMA_ROWS = e.mma_rows or rows
         lowbit.INT8_MMA_MIN_ROWS = e.int8_min or int8_min
-        kernels.GEMV_AHEAD = e.gemv_ahead
         if e.swept:
 
             def swept(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
@@ -339,7 +304,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = stages, l2
             lowbit_mma.INT8_MMA = int8_on
             lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = rows, int8_min
-            kernels.GEMV_AHEAD = ahead
             os.environ.pop("TINYPAGED_INT4_MMA", None)
         b1 = out[name]["batch1"].get("decode_tokens_per_s", float("nan"))
         print(f"decode {name}: batch-1 {b1:.1f} tok/s, batch-16 {b16['decode_tokens_per_s']:.1f}", flush=True)
@@ -349,8 +313,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
 def table(res: dict[str, Any]) -> None:
     nan = float("nan")
     layers = res.get("layers", [])
-    # the ways of `WAYS` timed, and the Triton GEMV with its words a step ahead (one row)
-    ways = [w for w in (*WAYS, "gemv_ahead") if any(f"{w}_us" in r for r in layers)]
+    ways = [w for w in WAYS if any(f"{w}_us" in r for r in layers)]  # the ways of `WAYS` timed
     print(
         f"\n{'layer':8} {'bits':>4} {'M':>3} {'bf16 us':>8} {'triton us':>9} "
         + " ".join(f"{w + ' us':>12}" for w in ways)

@@ -46,7 +46,6 @@ body holds both matmul paths (they differ in a step's arithmetic only), and the 
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -71,12 +70,6 @@ class IntWeight(Protocol):
 
 
 GEMV_MAX_ROWS = 4
-# The GEMV's words, scales and zero points a step ahead (`_wint_kernel`'s AHEAD; TINYPAGED_GEMV_AHEAD=1). Its
-# loads otherwise wait out a memory latency at the top of each step before the step's arithmetic (in SASS, the
-# loop's 16-byte word loads meet their first use within the same iteration): INT8 batch 1 reads about 2.8 TB/s
-# there on the H200 against bf16's 3.7 (run 119). Off until timed on the device (`benchmarks/int4_mma.py`'s
-# `gemv_ahead` way and `int8-gemv-ahead` engine).
-GEMV_AHEAD = os.environ.get("TINYPAGED_GEMV_AHEAD", "0") == "1"
 
 
 @triton.jit
@@ -307,7 +300,6 @@ def _wint_kernel(
     SWAP_AB: tl.constexpr,
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
-    AHEAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
@@ -323,8 +315,7 @@ def _wint_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    if not AHEAD:
-        pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
     if not DOT and BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
     elif not DOT:
@@ -338,57 +329,41 @@ def _wint_kernel(
         # but these plain loads stalled each step for a memory latency (in SASS, the zero point's load met its
         # shared-memory store at once).
         s_next, z_next = _group_params(s_ptr, z_ptr, k_lo // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
-    if AHEAD:
-        # The GEMV with each step's words, scales and zero points asked for a step ahead (the first step's
-        # before the wait on the kernel before, which they never depend on): a warp's next loads in flight
-        # while it computes, where a step's loads otherwise wait out a memory latency before its arithmetic.
-        w, s, z = _gemv_words(
-            w_ptr, s_ptr, z_ptr, k_lo, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
-        )
-        pdl_start(USE_PDL)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kn = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K)  # the last step asks for its own again
-            w_next, s_next, z_next = _gemv_words(
-                w_ptr, s_ptr, z_ptr, kn, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
+        if not DOT:
+            w, s, z = _gemv_words(
+                w_ptr, s_ptr, z_ptr, k0, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
             )
             acc += _gemv_products(x_rows, w, s, z, k0, row_ok, BITS, BLOCK_M, BLOCK_K)
-            w, s, z = w_next, s_next, z_next
-    else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
-            if not DOT:
-                w, s, z = _gemv_words(
-                    w_ptr, s_ptr, z_ptr, k0, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
-                )
-                acc += _gemv_products(x_rows, w, s, z, k0, row_ok, BITS, BLOCK_M, BLOCK_K)
-            elif BLOCK_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
-                kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-                words = tl.load(
-                    w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
-                )
-                s, z = s_next, z_next
-                # the last step loads its own again
-                g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP
-                s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
-                step = tl.zeros(acc.shape, dtype=tl.float32)
-                if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
-                    ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
-                    xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
-                    for j in tl.static_range(PACK):
-                        step = _dot_step(step, xs[j], ws[j], SWAP_AB, IEEE)
-                else:
-                    for j in tl.static_range(PACK):
-                        x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
-                        w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
-                        step = _dot_step(step, x, w, SWAP_AB, IEEE)
-                acc += step * (s[:, None] if SWAP_AB else s[None, :])
-            else:  # a narrow step (a small group): the codes unpacked into their columns' order
-                q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-                s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
-                w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
-                step = _dot_step(tl.zeros(acc.shape, dtype=tl.float32), x, w, SWAP_AB, IEEE)
-                acc += step * (s[:, None] if SWAP_AB else s[None, :])
+        elif BLOCK_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
+            kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            words = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * stride_w + kp[None, :], mask=col_ok[:, None], other=0
+            )
+            s, z = s_next, z_next
+            # the last step loads its own again
+            g_next = tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // GROUP
+            s_next, z_next = _group_params(s_ptr, z_ptr, g_next, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            step = tl.zeros(acc.shape, dtype=tl.float32)
+            if BITS == 4:  # all eight codes of the words at once (two weights an instruction under ASM)
+                ws = _int4_halves(words, z[:, None], x_ptr.dtype.element_ty, ASM)
+                xs = _columns_by_code(x_rows, k0, row_ok, BLOCK_M, BLOCK_K)
+                for j in tl.static_range(PACK):
+                    step = _dot_step(step, xs[j], ws[j], SWAP_AB, IEEE)
+            else:
+                for j in tl.static_range(PACK):
+                    x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0)
+                    w = _minus_zero(words, j, z[:, None], BITS).to(x.dtype)
+                    step = _dot_step(step, x, w, SWAP_AB, IEEE)
+            acc += step * (s[:, None] if SWAP_AB else s[None, :])
+        else:  # a narrow step (a small group): the codes unpacked into their columns' order
+            q = _codes(w_ptr, cols, k0 // PACK, stride_w, col_ok, BITS, BLOCK_N, BLOCK_K)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
+            w = (q - z.to(tl.int32)[:, None]).to(x.dtype)
+            step = _dot_step(tl.zeros(acc.shape, dtype=tl.float32), x, w, SWAP_AB, IEEE)
+            acc += step * (s[:, None] if SWAP_AB else s[None, :])
     if not DOT and BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     elif not DOT:
@@ -565,10 +540,8 @@ def _launch(
     warps: int,
     stages: int,
     dot: bool,
-    ahead: bool = False,
 ) -> torch.Tensor:
-    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways (`ahead`: the
-    GEMV's words a step ahead)."""
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
@@ -590,7 +563,7 @@ def _launch(
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
-        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), AHEAD=ahead and not dot, num_warps=warps,
+        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps,
         num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y
@@ -600,20 +573,17 @@ def wint_gemv(
     x: torch.Tensor,
     w: IntWeight,
     bias: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x `[M, K]` (M <= 4, rows contiguous) times the dequantized weight `w` (the module docstring's layout),
     transposed, plus bias `[N]`: `[M, N]` in x's dtype, products and sums in float32 (semantics:
-    `model.quant.lowbit.ref_wint_linear`). `config`: (BLOCK_N, BLOCK_K, SPLIT, num_warps[, AHEAD]), default
-    `gemv_config` (AHEAD left out: `GEMV_AHEAD`)."""
+    `model.quant.lowbit.ref_wint_linear`). `config`: (BLOCK_N, BLOCK_K, SPLIT, num_warps), default
+    `gemv_config`."""
     m, k = x.shape
     assert 1 <= m <= GEMV_MAX_ROWS
     sms = num_sms(x.device) if x.is_cuda else 132
-    cfg = tuple(config or gemv_config(m, w.qweight.shape[0], k, w.group, sms))
-    block_n, block_k, split, warps = cfg[:4]
-    ahead = bool(cfg[4]) if len(cfg) > 4 else GEMV_AHEAD
-    tiles = (triton.next_power_of_2(m), block_n, block_k)
-    return _launch(x, w, bias, tiles, split, warps, 3, dot=False, ahead=ahead)
+    block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms)
+    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
 
 
 def wint_gemm(

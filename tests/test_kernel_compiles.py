@@ -327,7 +327,6 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "SPLIT": False,
         "BLOCK_K": 128,
         "ASM": bits == 4,
-        "AHEAD": False,
         "USE_PDL": True,
     }
     gemv = _lowbit_compile(
@@ -344,14 +343,6 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
     )
     assert "atom.global.gpu.acq_rel.add" in split.asm["ptx"]
-    # The words a step ahead: the first step's (16-byte loads) before the wait, the activations after it.
-    ahead = _lowbit_compile(
-        "_wint_kernel",
-        base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "AHEAD": True},
-    ).asm["ptx"]
-    wait = ahead.index("griddepcontrol.wait")
-    assert ahead[:wait].count("ld.global.v4") == 64 * 128 * bits // 8 // 16 // 128
-    assert "ld.global.b16" not in ahead[:wait] and "ld.global.b16" in ahead[wait:]
     wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
     _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
     for block_m, swap in ((16, True), (64, False)):

@@ -51,16 +51,13 @@ CASES = [  # (bits, group, symmetric)
 @pytest.mark.parametrize("bits, group, symmetric", CASES)
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetric: bool) -> None:
-    """One and three rows, N off the tile, fp16 with bias and float32 without; K split over programs too; at one
-    row the words a step ahead (AHEAD) give the same bits."""
+    """One and three rows, N off the tile, fp16 with bias and float32 without; K split over programs too."""
     k = 3 * group * 2
     x, q, bias = operands(m, 37, k, bits, group, symmetric, torch.float16, seed=m + bits)
     for cfg in (gemv_config(m, 37, k, group), (8, step_k(group), 2, 4)):  # the default, then a K split
         y = wint_gemv(x, q, bias=bias, config=cfg)
         assert y.dtype == torch.float16 and y.shape == (m, 37)
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=TOL[torch.float16][0], atol=1e-3)
-    if m == 1:  # the device's GEMV row count
-        assert torch.equal(wint_gemv(x, q, bias=bias, config=(*cfg, True)), y)
     xf = x.float()
     torch.testing.assert_close(wint_gemv(xf, q).double(), want(xf, q, None), rtol=1e-5, atol=1e-5)
 
@@ -69,7 +66,7 @@ def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetr
 def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
     """A power-of-two group: the GEMV's step may span 2 or 4 whole groups (K split too)."""
     x, q, bias = operands(2, 24, 512, bits, 32, symmetric, torch.float32, seed=bits)
-    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4), (16, 128, 2, 4, True)]:
+    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4)]:
         y = wint_gemv(x, q, bias=bias, config=cfg)
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=1e-5, atol=1e-5)
 
