@@ -201,6 +201,11 @@ def _hf_tensors(
         if name is None:
             # e.g. rope_freqs.weight (Llama 3 rope scaling): silently dropping it would change the model.
             raise WeightsError(f"unsupported GGUF tensor {tensor.name!r}")
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= config["num_hidden_layers"]:
+            raise WeightsError(
+                f"GGUF tensor {tensor.name!r} is past the metadata's block_count "
+                f"({config['num_hidden_layers']} blocks)"
+            )
         kind = tensor.tensor_type.name
         if keep_quantized and name.endswith("_proj.weight") and kind not in ("F32", "F16", "BF16"):
             rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))

@@ -252,6 +252,35 @@ def test_gptq_act_order_is_refused_naming_the_layer(tmp_path: Path) -> None:
         EngineConfig(model=path)
 
 
+@pytest.mark.parametrize(
+    ("method", "tensor", "damage", "match"),
+    [
+        ("gptq", "scales", "nan", r"self_attn\.o_proj\.scales: 1 of \d+ values are not finite"),
+        ("awq", "scales", "inf", r"self_attn\.o_proj\.scales: 1 of \d+ values are not finite"),
+        ("gptq", "g_idx", "float", r"self_attn\.o_proj\.g_idx is torch\.float32, expected integer"),
+    ],
+)
+def test_a_damaged_gptq_or_awq_tensor_is_refused_naming_it(
+    tmp_path: Path, method: str, tensor: str, damage: str, match: str
+) -> None:
+    """A scale that is not finite (it would make every logit NaN) or a g_idx of floats (truncated, it passed the
+    act-order check) fails the load in one line naming the tensor."""
+    from safetensors.torch import load_file
+
+    path, _ = _write_packed(tmp_path, method)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = f"model.layers.1.self_attn.o_proj.{tensor}"
+    if damage == "float":
+        tensors[name] = tensors[name].float()
+    else:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[3] = float(damage)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=match) as err:
+        load_model(ModelConfig.from_dir(path), torch.float32, torch.device("cpu"), 64)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("method", ["ct", "gptq"])
 def test_tensor_parallel_shares_take_their_groups(tmp_path: Path, method: str) -> None:
     """Each rank's unpacked share is its rows (q, k, v, gate, up) or columns (o, down) of the whole layer's,

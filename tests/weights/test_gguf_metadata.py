@@ -79,6 +79,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, gguf_path: Path) -> bytes:
     ("key", "value", "match"),
     [
         ("llama.block_count", 2**30, "block_count"),  # past the file's tensors: before a loop over layers
+        ("llama.block_count", 1, r"'blk\.1\.\S+' is past the metadata's block_count"),  # a block it lacks
         ("llama.attention.head_count", 256, "rotary pairs"),  # q's 256 rows: not 256 heads of rotary pairs
         ("tokenizer.ggml.bos_token_id", 10**6, "bos_token_id"),
     ],

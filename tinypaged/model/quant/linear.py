@@ -273,6 +273,11 @@ class IntLinearMethod(LinearMethod):
             raise ConfigError(f"{layer.name}.{suffix} is {src.dtype}, expected {expect} for {s}")
         if suffix == "weight_packed" or (suffix == "qweight" and s.format == "gguf"):  # the layout as it is
             layer.qweight[part].copy_(src)
+        elif suffix in ("weight_scale", "scales", "mins") and not torch.isfinite(src).all():
+            bad = int((~torch.isfinite(src)).sum())
+            raise ConfigError(
+                f"{layer.name}.{suffix}: {bad} of {src.numel()} values are not finite (NaN or inf)"
+            )
         elif suffix == "mins":
             layer.mins[:, part].copy_(src.float())
         elif suffix == "zeros":  # a GGUF conversion's, one byte each (weights/gguf_convert.py)
@@ -293,6 +298,8 @@ class IntLinearMethod(LinearMethod):
                 raise ConfigError(f"{layer.name}.qzeros: a zero point of {zeros.max()} does not fit a byte")
             layer.zeros[:, part].copy_(zeros)
         elif suffix == "g_idx":
+            if src.dtype.is_floating_point or src.dtype == torch.bool:
+                raise ConfigError(f"{layer.name}.g_idx is {src.dtype}, expected integer group indices")
             k = src.shape[0]
             in_order = torch.arange(k) // layer.group
             if not torch.equal(src.long() - src[0].long(), in_order):
