@@ -1,15 +1,15 @@
-"""INT8 at one row (issue 38): the Triton GEMV's tilings (rows and columns a step, K split, warps) and the Gluon
-kernel's one-row tilings with and without the L2 prefetch hint, graph-timed at the 8B shapes (each launch on its
-own copy of the weight, as `int4_mma.py` times them) and checked against the float32 product of the same codes;
-then batch-1 / batch-16 decode of INT8 at the default tilings and at each layer's fastest GEMV tiling, beside
-bf16, in one process.
+"""INT8 at one row (issue 38): the Triton GEMV's tilings (rows and columns a step, K split, warps; also bf16's
+GEMV's shape, a few rows of long runs in many programs) and the Gluon kernel's one-row tilings with and without
+the L2 prefetch hint, graph-timed at the 8B shapes (each launch on its own copy of the weight, as `int4_mma.py`
+times them) and checked against the float32 product of the same codes; then batch-1 / batch-16 decode of INT8 at
+the default tilings and at each layer's fastest GEMV tiling, beside bf16, in one process.
 
     tinypaged weights random --config llama-3.1-8b --out /tmp/m8b
     python3 benchmarks/int8_onerow.py --model /tmp/m8b --json benchmarks/results/int8-onerow-h200.json
 
 Run 131 (H200) ran a draft that also swept the GEMV's words a step ahead (`AHEAD`, since taken out: it lost in
 the engine, runs 129-132); its engine ran each layer's tiling fastest with or without AHEAD, always without it
-(qkv's and o's fastest were with it); this one picks among tilings without.
+(qkv's and o's fastest were with it); this one picks among tilings without, and sweeps the few-row shapes too.
 """
 
 from __future__ import annotations
@@ -37,10 +37,20 @@ def sweep(res: dict[str, Any]) -> dict[tuple[int, int], tuple]:
         ws = [w] + [w._replace(qweight=w.qweight.clone(), scales=w.scales.clone()) for _ in range(copies - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         want = x.float() @ lowbit.dequantize_weight(w).T
-        runs = [
+        runs = [  # run 131's tilings: 32-128 rows a program, a group or two a step, K split
             ("gemv", (bn, bk, split, warps))
             for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (2, 4, 8, 16), (4, 8))
             if (k // bk) % split == 0 and k // bk // split >= 2 and (warps == 4 or bn == 128)
+        ]
+        # bf16's GEMV reads 3.95 TB/s in the engine with 4 rows of 1,024 columns (2 KB runs) a program, many
+        # programs, K unsplit (kernels/gemv.py); INT8's reads 2.77 at 64 rows of 128 (run 135). Its shape here:
+        # 4-16 rows, runs of 128-1,024 bytes (past a group: a scale a word), one to four warps.
+        runs += [
+            ("gemv", (bn, bk, split, warps))
+            for bn, bk, split, warps in itertools.product(
+                (4, 8, 16), (128, 256, 512, 1024), (1, 2, 4), (1, 2, 4)
+            )
+            if (k // bk) % split == 0 and bn * bk // 4 >= 32 * warps
         ]
         runs += [
             ("mma", (16 * warps * reps, warps, split, 0, l2))

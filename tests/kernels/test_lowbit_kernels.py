@@ -64,9 +64,10 @@ def test_gemv_matches_dequantized_product(m: int, bits: int, group: int, symmetr
 
 @pytest.mark.parametrize("bits, symmetric", [(4, False), (8, True)])
 def test_gemv_steps_over_several_groups(bits: int, symmetric: bool) -> None:
-    """A power-of-two group: the GEMV's step may span 2 or 4 whole groups (K split too)."""
+    """A power-of-two group: the GEMV's step may span 2, 4 or 8 whole groups (K split too; 4 rows a one-warp
+    program, as bf16's GEMV tiles)."""
     x, q, bias = operands(2, 24, 512, bits, 32, symmetric, torch.float32, seed=bits)
-    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4)]:
+    for cfg in [(8, 64, 1, 4), (16, 128, 2, 4), (4, 256, 1, 1)]:
         y = wint_gemv(x, q, bias=bias, config=cfg)
         torch.testing.assert_close(y.double(), want(x, q, bias), rtol=1e-5, atol=1e-5)
 
