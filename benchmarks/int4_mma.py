@@ -43,7 +43,8 @@ RING = 4
 # The ways the words come in, checked and timed (`--ways`): (STAGES, L2) of `wint_mma`'s config. `mma`: the
 # default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
 # bytes, an INT8 layer's plain); `plain`: plain loads (the default before run 127); `ring`: through the shared
-# ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too).
+# ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too);
+# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default).
 WAYS = {
     "mma": None,
     "plain": (0, 0),
@@ -51,13 +52,16 @@ WAYS = {
     "l2_64": (0, 64),
     "l2_128": (0, 128),
     "l2_256": (0, 256),
+    "wide": (0, 128, True),
 }
 
 
 def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
     """`wint_mma`'s config for a layer, the words coming in the way `WAYS` names."""
     config = lowbit_mma.mma_config(m, n, k, bits=bits)
-    return config if WAYS[way] is None else config[:3] + WAYS[way]
+    if WAYS[way] is None or (way == "wide" and bits != 4):  # INT8 has no wide words: the default's
+        return config
+    return config[:3] + WAYS[way]
 
 
 BITS = (4, 8)
@@ -116,6 +120,8 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
                     row["row_alone_equal"] = bool(torch.equal(alone, got))
                 if first is None:
                     first = got
+                elif way == "wide":  # the same products, summed in another order inside each MMA
+                    row["max_diff_to_registers"] = float((got.float() - first.float()).abs().max())
                 else:  # the same sums in the same order, whichever way the words came in
                     row["equal_to_registers"] = bool(torch.equal(got, first))
                 ok = (
@@ -227,6 +233,7 @@ class Engine(NamedTuple):
     swept: bool = False  # the sweep's fastest tilings (M = 1's at one row, M = 8's at 2-8, M = 16's at 9-16)
     way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
     mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
+    wide: bool = False  # lowbit_mma.MMA_WIDE: INT4's words in 16-byte loads
     int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
 
 
@@ -244,6 +251,7 @@ ENGINES = {
     # 9-16 rows through the kernel at the sweep's 16-row tilings (the default split gives two waves there)
     "int4-mma16-swept": Engine(INT4, swept=True, mma_rows=16),
     "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
+    "int4-mma-wide": Engine(INT4, wide=True),
     "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
     "int8-triton": Engine(INT8),
     # the default (2-16 rows through the kernel), then from one row
@@ -271,7 +279,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     out = res.setdefault("decode", {})
     table = best_configs(res)
     default = lowbit_mma.mma_config
-    stages, l2 = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2
+    stages, l2, wide = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2, lowbit_mma.MMA_WIDE
     rows, int8_min, int8_on = lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
     for name in engines:
         e = ENGINES[name]
@@ -281,6 +289,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
         # mma_config's ring depth (0: the words straight into registers) and INT4's L2 prefetch size
         lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = e.way or (stages, l2)
+        lowbit_mma.MMA_WIDE = e.wide
         lowbit_mma.INT8_MMA = e.int8_mma
         lowbit.MMA_ROWS = e.mma_rows or rows
         lowbit.INT8_MMA_MIN_ROWS = e.int8_min or int8_min
@@ -301,7 +310,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
             free_llm(llm)
         finally:
             lowbit_mma.mma_config = default
-            lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = stages, l2
+            lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2, lowbit_mma.MMA_WIDE = stages, l2, wide
             lowbit_mma.INT8_MMA = int8_on
             lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = rows, int8_min
             os.environ.pop("TINYPAGED_INT4_MMA", None)

@@ -28,7 +28,9 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
   read 2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way
   (2 KB a warp, the next step's words, held in registers until they land) against HBM's latency under load.
   An INT4 layer's loads ask the L2 to fetch 128 bytes of the row (`ld.global.nc.L2::128B`): a step reads 64,
-  so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us).
+  so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us). `WIDE` (INT4,
+  off until timed: `MMA_WIDE`): a thread's four neighbouring words of a step in one 16-byte load, the step's
+  words put in the MMA's k-slots in that order and the activations dealt to match (`_k_slots`).
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
@@ -78,6 +80,11 @@ INT8_MMA = os.environ.get("TINYPAGED_INT8_MMA", "1") == "1"
 # INT8 layers load plainly: the hint slowed them at 2-8 rows. (Two steps' words in flight instead of one, tried
 # beside it, lost: 155 registers a thread, a program a multiprocessor fewer; benchmarks/NOTES.md.)
 MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
+# An INT4 layer's words in 16-byte loads on the registers path (STAGES 0): thread t of a warp loads words 4t..4t + 3
+# of a row's step (one load) where the A operand's layout gives it words 2t, 2t + 1, 2t + 8, 2t + 9 (two 8-byte
+# loads), and the step's words sit in the MMA's k-slots in that order, the activations' columns dealt to match:
+# the same products, summed in another order inside each MMA. Off until timed (TINYPAGED_INT4_MMA_WIDE=1).
+MMA_WIDE = os.environ.get("TINYPAGED_INT4_MMA_WIDE", "0") == "1"
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
 # Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
@@ -95,32 +102,79 @@ INT8_BF16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "bf16x2"))
 INT8_FP16_ASM = gl.constexpr(_INT8_ASM.replace("TY", "f16x2"))
 
 
-# A thread's two neighbouring words (8 bytes) through the read-only path, asking the L2 to fetch SIZE bytes around
-# them from DRAM (`.L2::SIZEB`, sm_75 and later).
-_WORDS_L2 = "ld.global.nc.L2::SIZEB.v2.u32 {$0, $1}, [$2];"
-WORDS_L2_64 = gl.constexpr(_WORDS_L2.replace("SIZE", "64"))
-WORDS_L2_128 = gl.constexpr(_WORDS_L2.replace("SIZE", "128"))
-WORDS_L2_256 = gl.constexpr(_WORDS_L2.replace("SIZE", "256"))
+# A thread's VEC neighbouring words (8 or 16 bytes) through the read-only path, asking the L2 to fetch SIZE bytes
+# around them from DRAM (`.L2::SIZEB`, sm_75 and later).
+@gluon.constexpr_function
+def _words_l2_asm(size, vec):
+    """The load's PTX and constraints: VEC outputs, then VEC pointers (the first one's address is used)."""
+    outs = ", ".join(f"${i}" for i in range(vec))
+    asm = f"ld.global.nc.L2::{size}B.v{vec}.u32 {{{outs}}}, [${vec}];"
+    return gl.constexpr(asm), gl.constexpr(",".join(["=r"] * vec + ["l"] * vec))
+
+
+@gluon.constexpr_function
+def _wide_words_layout(block_n, warps):
+    """`[BLOCK_N, 16]` words with thread t of a warp holding words 4t..4t + 3 of its rows in consecutive registers:
+    the A operand's layout (`to_linear_layout` of it: registers k + 1, row + 8, k + 8, then the 16-row tiles a warp;
+    lanes k + 2, k + 4, rows + 1, + 2, + 4; warps 16 rows each) with its k-slots relabelled (`_k_slots`)."""
+    reps = block_n // (16 * warps)
+    regs = [[0, 1], [0, 2], [8, 0]] + [[(16 * warps) << i, 0] for i in range(reps.bit_length() - 1)]
+    lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    warp_bases = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=lanes, warp_bases=warp_bases, block_bases=[], shape=[block_n, 16]
+    )
+
+
+@gluon.jit
+def _k_slots(t, axis: gl.constexpr):
+    """A step's 16 words (along `axis`, 0 or 1 of a 2-D or 3-D tensor) in k-slot order: word 4a + 2h + p goes to
+    k-slot 8h + 2a + p, so that the k-slots a thread holds in the A operand (2a, 2a + 1, 2a + 8, 2a + 9) are
+    its words 4a..4a + 3."""
+    if axis == 0:  # [16, M, 8]
+        t = gl.reshape(t, [4, 2, 2, t.shape[1], t.shape[2]])
+        t = gl.reshape(gl.permute(t, [1, 0, 2, 3, 4]), [16, t.shape[3], t.shape[4]])
+    else:  # [BLOCK_N, 16]
+        t = gl.reshape(t, [t.shape[0], 4, 2, 2])
+        t = gl.reshape(gl.permute(t, [0, 2, 1, 3]), [t.shape[0], 16])
+    return t
+
+
+@gluon.jit
+def _load_words(w_ptr, rows, row_ok, word0, stride_w, cols, L2: gl.constexpr, VEC: gl.constexpr):
+    """Words `cols` from `word0` of weight rows `rows`, in the layout of `rows` and `cols`. L2 > 0: by inline PTX
+    with that L2 prefetch size, VEC neighbouring words a load, rows past N read as row 0 (their sums are never
+    stored)."""
+    if L2 == 0:
+        offs = rows.to(gl.int64)[:, None] * stride_w + (word0 + cols)[None, :]
+        return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
+    else:
+        ASM: gl.constexpr = _words_l2_asm(L2, VEC)[0]
+        ARGS: gl.constexpr = _words_l2_asm(L2, VEC)[1]
+        safe = gl.where(row_ok, rows, 0)
+        ptrs = w_ptr + (safe.to(gl.int64)[:, None] * stride_w + (word0 + cols)[None, :])
+        return gl.inline_asm_elementwise(ASM, ARGS, [ptrs], gl.int32, is_pure=True, pack=VEC)
 
 
 @gluon.jit
 def _words(w_ptr, rows, row_ok, k0, stride_w, wcols, PACK: gl.constexpr, L2: gl.constexpr):
-    """One step's packed words `[BLOCK_N, 16]` (from column k0), in the A operand's layout. L2 > 0: by inline PTX
-    with that L2 prefetch size, a pair of neighbouring words (2t, 2t + 1) a load, rows past N read as row 0 (their
-    sums are never stored)."""
-    if L2 == 0:
-        offs = rows.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :]
-        return gl.load(w_ptr + offs, mask=row_ok[:, None], other=0)
-    else:
-        if L2 == 64:
-            ASM: gl.constexpr = WORDS_L2_64
-        elif L2 == 128:
-            ASM: gl.constexpr = WORDS_L2_128
-        else:
-            ASM: gl.constexpr = WORDS_L2_256
-        safe = gl.where(row_ok, rows, 0)
-        ptrs = w_ptr + (safe.to(gl.int64)[:, None] * stride_w + (k0 // PACK + wcols)[None, :])
-        return gl.inline_asm_elementwise(ASM, "=r,=r,l,l", [ptrs], gl.int32, is_pure=True, pack=2)
+    """One step's packed words `[BLOCK_N, 16]` (from column k0), in the A operand's layout: a pair of neighbouring
+    words (2t, 2t + 1) a load."""
+    return _load_words(w_ptr, rows, row_ok, k0 // PACK, stride_w, wcols, L2, 2)
+
+
+@gluon.jit
+def _words_wide(
+    w_ptr, k0, pid_n, N, stride_w, a_layout: gl.constexpr, w_layout: gl.constexpr, L2: gl.constexpr
+):
+    """An INT4 step's packed words `[BLOCK_N, 16]` in 16-byte loads (`w_layout`: four neighbouring words a thread),
+    relabelled into the A operand's layout by k-slot (`_k_slots`): a relabelling of registers, proved so at compile
+    time."""
+    rows = pid_n * w_layout.shape[0] + gl.arange(0, w_layout.shape[0], layout=gl.SliceLayout(1, w_layout))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, w_layout))
+    word0 = gl.multiple_of(k0 // 8, 16)  # a step's words start 64-byte aligned: 16-byte loads
+    w = _load_words(w_ptr, rows, rows < N, word0, stride_w, cols, L2, 4)
+    return gl.convert_layout(_k_slots(w, 1), a_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -246,7 +300,7 @@ def _wint_mma_kernel(
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y, sym_zero,
     BITS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, L2: gl.constexpr,
-    USE_PDL: gl.constexpr,
+    WIDE: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -268,7 +322,13 @@ def _wint_mma_kernel(
     # The activations' step tile [RUNS, BLOCK_M rows, 8 columns] (`_x_tile`): a thread holds a row's words 2t,
     # 2t + 1 (and 2t + 8, 2t + 9) whole, so that split by code position each is the B operand's layout.
     X_M: gl.constexpr = [[0, 8, 0]] if BLOCK_M == 16 else []
-    if PACK == 8:  # 16 runs of a word each: run bits 0 and 3 in registers, 1 and 2 the lane's t
+    # INT4: 16 runs of a word each; WIDE: in word order, run bits 0 and 1 in registers, 2 and 3 the lane's t
+    # (`_k_slots` then deals them into k-slots); else run bits 0 and 3 in registers, 1 and 2 the lane's t.
+    if PACK == 8 and WIDE:
+        RUNS: gl.constexpr = 16
+        X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0]] + X_M
+        X_RUN_LANES: gl.constexpr = [[4, 0, 0], [8, 0, 0]]
+    elif PACK == 8:
         RUNS: gl.constexpr = 16
         X_REGS: gl.constexpr = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0]] + X_M
         X_RUN_LANES: gl.constexpr = [[2, 0, 0], [4, 0, 0]]
@@ -293,16 +353,25 @@ def _wint_mma_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
         # The words straight into registers: the first step's words and parameters are asked for before the
-        # wait on the kernel before; then each step asks for the next one's while it computes.
-        w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK, L2)
+        # wait on the kernel before; then each step asks for the next one's while it computes. WIDE: the words
+        # in 16-byte loads and each step's k-slots in their order (`_words_wide`, `_k_slots`).
+        w_layout: gl.constexpr = _wide_words_layout(BLOCK_N, WARPS)
+        if WIDE:
+            w = _words_wide(w_ptr, k_lo, pid_n, N, stride_w, a_layout, w_layout, L2)
+        else:
+            w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK, L2)
         s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
         pdl_start(USE_PDL)
         for i in range(steps):
             k0 = k_lo + i * STEP_K
             kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K  # the last step asks for its own again
-            w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols, PACK, L2)
+            if WIDE:
+                w_next = _words_wide(w_ptr, kn, pid_n, N, stride_w, a_layout, w_layout, L2)
+                xs = _columns(_k_slots(_x_tile(x_rows, m_ok, k0, xw, xj), 0), b_layout, PACK)
+            else:
+                w_next = _words(w_ptr, rows, row_ok, kn, stride_w, wcols, PACK, L2)
+                xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
             s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
-            xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
             acc = _step(acc, w, s, z, xs, BITS)
             w, s, z = w_next, s_next, z_next
     else:
@@ -449,9 +518,9 @@ def wint_mma(
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
-    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2]), default
-    `mma_config` (L2 left out: `mma_config`'s). Allocates with torch.empty only and never reads a value back: CUDA
-    graphs capture it."""
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2[, WIDE]]),
+    default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4 with STAGES 0). Allocates
+    with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
@@ -459,9 +528,11 @@ def wint_mma(
     cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
     if len(cfg) == 4:  # no L2 size given: the default's
         cfg += mma_config(m, n, k, bits=w.bits)[4:]
-    block_n, warps, split, stages, l2 = cfg
+    if len(cfg) == 5:  # no word width given: the default's
+        cfg += (MMA_WIDE and w.bits == 4 and cfg[3] == 0,)
+    block_n, warps, split, stages, l2, wide = cfg
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
-    assert l2 in (0, 64, 128, 256)
+    assert l2 in (0, 64, 128, 256) and (not wide or (w.bits == 4 and stages == 0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -475,6 +546,6 @@ def wint_mma(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
         y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0), 1 << (w.bits - 1),
         BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, STAGES=stages, L2=l2, num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, STAGES=stages, L2=l2, WIDE=bool(wide), num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

@@ -432,13 +432,14 @@ def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("bits", "block_m", "split", "stages", "zeros", "l2"),
-    [(4, 8, 1, 0, True, 0), (4, 8, 8, 0, True, 128), (4, 16, 2, 0, True, 128), (4, 8, 1, 4, True, 0)]
-    + [(4, 8, 8, 3, False, 0), (4, 8, 2, 0, False, 256), (8, 8, 1, 0, False, 0), (8, 16, 4, 0, True, 0)]
-    + [(8, 8, 2, 4, False, 0), (8, 8, 2, 0, True, 64)],
+    ("bits", "block_m", "split", "stages", "zeros", "l2", "wide"),
+    [(4, 8, 1, 0, True, 0, False), (4, 8, 8, 0, True, 128, False), (4, 16, 2, 0, True, 128, False)]
+    + [(4, 8, 1, 4, True, 0, False), (4, 8, 8, 3, False, 0, False), (4, 8, 2, 0, False, 256, False)]
+    + [(8, 8, 1, 0, False, 0, False), (8, 16, 4, 0, True, 0, False), (8, 8, 2, 4, False, 0, False)]
+    + [(8, 8, 2, 0, True, 64, False), (4, 8, 2, 0, True, 128, True), (4, 16, 8, 0, False, 0, True)],
 )
 def test_wint_mma_kernel_compiles_for_hopper(
-    bits: int, block_m: int, split: int, stages: int, zeros: bool, l2: int
+    bits: int, block_m: int, split: int, stages: int, zeros: bool, l2: int, wide: bool
 ) -> None:
     """The Gluon INT4 / INT8 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into
     mma.sync's registers, the activations in 16-byte loads after the wait on the kernel before (programmatic
@@ -447,7 +448,9 @@ def test_wint_mma_kernel_compiles_for_hopper(
     (stages 0) in 8-byte loads, the first step's before the wait, and no shared memory but a split's one
     broadcast of its counter; with a ring, 16-byte cp.async into shared memory, the first stages - 1 steps'
     before the wait, stages - 2 groups left in flight at each step's wait, read back in 8-byte shared loads.
-    Without a ring, each word load through the read-only path with an L2 prefetch size where `l2` names one."""
+    Without a ring, each word load through the read-only path with an L2 prefetch size where `l2` names one; `wide`
+    (INT4), the words in 16-byte loads (four neighbouring words a thread), relabelled into the operand's layout
+    without moving a register between threads (the kernel's `assert_trivial`)."""
     from tinypaged.kernels.lowbit_mma import mma_config
 
     block_n, warps = mma_config(1, 4096, 4096, bits=bits)[:2]
@@ -457,6 +460,7 @@ def test_wint_mma_kernel_compiles_for_hopper(
         "WARPS": warps,
         "STAGES": stages,
         "L2": l2,
+        "WIDE": wide,
         "USE_PDL": True,
     }
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
@@ -472,13 +476,16 @@ def test_wint_mma_kernel_compiles_for_hopper(
         # A loop's dots: eight INT4 code positions a step, four INT8 ones (the tiles a warp times that).
         assert ptx.count("mma.sync") % (32 // bits) == 0
         if stages == 0:
-            load = f"ld.global.nc.L2::{l2}B.v2.u32" if l2 else "ld.global.v2.b32"
+            v = "v4" if wide else "v2"
+            load = f"ld.global.nc.L2::{l2}B.{v}.u32" if l2 else f"ld.global.{v}.b32"
             assert (
                 "L2::" not in ptx.replace(load, "") and ptx.find(load) < wait
             )  # the first step's words before it
-            # a thread's words of a step: two 8-byte loads a row, four rows a 32-row tile pair
+            # a thread's words of a step: two 8-byte loads a row (wide: one 16-byte load), four rows a 32-row
+            # tile pair
             loads = [i for i in range(len(ptx)) if ptx.startswith(load, i)]
-            assert sum(i < wait for i in loads) == 2 * (block_n // (8 * warps))
+            assert sum(i < wait for i in loads) == (1 if wide else 2) * (block_n // (8 * warps))
+            assert not wide or "ld.global.v2.b32" not in ptx[:wait]
             # Shared memory only where a split's last program learns it is the last (its counter broadcast).
             assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
             assert "cp.async" not in ptx
@@ -527,6 +534,7 @@ def test_wint_mma_registers_at_16_rows() -> None:
                 "WARPS": warps,
                 "STAGES": 0,
                 "L2": 128,
+                "WIDE": False,
                 "USE_PDL": True,
             }
             regs, stack = _registers(_wint_mma_compile(constexprs))
