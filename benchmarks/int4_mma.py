@@ -265,10 +265,11 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other in
     this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain loads:
-    `-plain`; 256 bytes: `-l2-256`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and through a ring of `RING`
-    steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran, at the sweep's fastest
-    (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the Triton kernels
-    (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and through the ring."""
+    `-plain`; 256 bytes: `-l2-256`; 16-byte word loads: `-wide`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
+    through a ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran,
+    at the sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the
+    Triton kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and
+    through the ring."""
     import os
 
     from common import free_llm, run_latency
