@@ -574,6 +574,7 @@ def _launch(
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
     spans = not dot and block_k % w.group == 0 and w.group & (w.group - 1) == 0
     assert (w.group % block_k == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
+    assert prefetch >= 0 and (prefetch == 0 or not dot)  # the GEMV's alone
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -31,6 +31,8 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
   so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us). `WIDE` (INT4,
   off until timed: `MMA_WIDE`): a thread's four neighbouring words of a step in one 16-byte load, the step's
   words put in the MMA's k-slots in that order and the activations dealt to match (`_k_slots`).
+  `PREFETCH` (off until timed: `MMA_PREFETCH`): each step also asks the L2 for the words that many steps on
+  (`prefetch.global.L2`), bytes in flight that hold no register.
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
