@@ -44,9 +44,7 @@ RING = 4
 # default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
 # bytes, an INT8 layer's plain); `plain`: plain loads (the default before run 127); `ring`: through the shared
 # ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too);
-# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default);
-# `pf2` / `pf4` / `pf8`: the default, each step asking the L2 for the words that many steps on (`MMA_PREFETCH`);
-# `wide_pf4`: both. INT8 has no wide words: `wide` is its default, `wide_pf4` its `pf4`.
+# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default).
 WAYS = {
     "mma": None,
     "plain": (0, 0),
@@ -55,10 +53,6 @@ WAYS = {
     "l2_128": (0, 128),
     "l2_256": (0, 256),
     "wide": (0, 128, True),
-    "pf2": (0, None, False, 2),
-    "pf4": (0, None, False, 4),
-    "pf8": (0, None, False, 8),
-    "wide_pf4": (0, None, True, 4),
 }
 
 
@@ -67,15 +61,10 @@ def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
     config = lowbit_mma.mma_config(m, n, k, bits=bits)
     if WAYS[way] is None or (way == "wide" and bits != 4):  # INT8 has no wide words: the default's
         return config
-    if len(WAYS[way]) == 4:  # a prefetch distance: the default's L2 size, wide words on INT4 only
-        stages, _, wide, prefetch = WAYS[way]
-        return (*config[:3], stages, config[4], wide and bits == 4, prefetch)
     return config[:3] + WAYS[way]
 
 
 BITS = (4, 8)
-# The GEMV's prefetch distances checked and timed (kernels/lowbit.py's GEMV_PREFETCH; INT8's one-row path).
-GEMV_AHEAD = (2, 4, 8)
 SWEPT_STAGES = (0, 3, 4, 6)
 # The rows the tilings are swept at by default (`--sweep-rows`; at 16, the words in registers, one and two 16-row
 # tiles a warp at every split: the registers a thread set the programs a multiprocessor holds there, hence
@@ -115,19 +104,6 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
-            if m <= kernels.GEMV_MAX_ROWS:  # the GEMV asking the L2 ahead: the same sums, the same bits
-                cfg = kernels.gemv_config(m, n, k, 128)
-                plain = kernels.wint_gemv(x, w, bias, cfg)
-                for d in GEMV_AHEAD:
-                    ahead = kernels.wint_gemv(x, w, bias, (*cfg, d))
-                    row = {
-                        "name": f"{name} int{bits} {'sym' if sym else 'zp'} {str(dt)[6:]} M={m} gemv_pf{d}"
-                    }
-                    row |= {"err": rel_err(ahead, want), "equal_to_plain": bool(torch.equal(ahead, plain))}
-                    row["ok"] = row["err"] < 5e-3 and row["equal_to_plain"]
-                    out.append(row)
-                    if not row["ok"]:
-                        print("CHECK FAILED", row, flush=True)
             first = None
             for way in ways:  # the words straight into registers, through the shared ring, ...
                 cfg = way_config(way, m, n, k, bits)
@@ -144,7 +120,7 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
                     row["row_alone_equal"] = bool(torch.equal(alone, got))
                 if first is None:
                     first = got
-                elif way.startswith("wide") and bits == 4:  # the same products, another order inside each MMA
+                elif way == "wide":  # the same products, summed in another order inside each MMA
                     row["max_diff_to_registers"] = float((got.float() - first.float()).abs().max())
                 else:  # the same sums in the same order, whichever way the words came in
                     row["equal_to_registers"] = bool(torch.equal(got, first))
@@ -189,12 +165,6 @@ def timings(
             if bs:
                 row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
             row["triton_us"] = graph_us(lambda i, x=x, ws=ws: triton_path(x, ws[i]), len(ws))
-            if bits == 8 and m == 1:  # INT8's one-row GEMV asking the L2 for its words steps ahead
-                gcfg = kernels.gemv_config(m, n, k, 128)
-                for d in GEMV_AHEAD:
-                    row[f"gemv_pf{d}_us"] = graph_us(
-                        lambda i, x=x, c=(*gcfg, d), ws=ws: kernels.wint_gemv(x, ws[i], config=c), len(ws)
-                    )
             row["mma_config"] = lowbit_mma.mma_config(m, n, k, bits=bits)
             for way in ways:
                 cfg = way_config(way, m, n, k, bits)
@@ -264,8 +234,6 @@ class Engine(NamedTuple):
     way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
     mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
     wide: bool = False  # lowbit_mma.MMA_WIDE: INT4's words in 16-byte loads
-    prefetch: int = 0  # lowbit_mma.MMA_PREFETCH: the words asked into the L2 that many steps ahead
-    gemv_prefetch: int = 0  # kernels/lowbit.py's GEMV_PREFETCH (INT8's one-row GEMV)
     int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
 
 
@@ -284,21 +252,11 @@ ENGINES = {
     "int4-mma16-swept": Engine(INT4, swept=True, mma_rows=16),
     "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
     "int4-mma-wide": Engine(INT4, wide=True),
-    "int4-mma-pf2": Engine(INT4, prefetch=2),
-    "int4-mma-pf4": Engine(INT4, prefetch=4),
-    "int4-mma-pf8": Engine(INT4, prefetch=8),
-    "int4-mma-wide-pf4": Engine(INT4, wide=True, prefetch=4),
-    # 9-16 rows through the kernel too (its 16-row tiles hold 168 registers a thread: few warps, little in flight)
-    "int4-mma16-pf4": Engine(INT4, mma_rows=16, prefetch=4),
     "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
     "int8-triton": Engine(INT8),
     # the default (2-16 rows through the kernel), then from one row
     "int8-mma": Engine(INT8, int8_mma=True),
     "int8-mma1": Engine(INT8, int8_mma=True, int8_min=1),
-    "int8-mma1-pf4": Engine(INT8, int8_mma=True, int8_min=1, prefetch=4),
-    "int8-mma-gemv-pf2": Engine(INT8, int8_mma=True, gemv_prefetch=2),
-    "int8-mma-gemv-pf4": Engine(INT8, int8_mma=True, gemv_prefetch=4),
-    "int8-mma-gemv-pf8": Engine(INT8, int8_mma=True, gemv_prefetch=8),
     "int8-mma-ring": Engine(INT8, int8_mma=True, way=WAYS["ring"], int8_min=1),
 }
 
@@ -307,12 +265,11 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other in
     this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain loads:
-    `-plain`; 256 bytes: `-l2-256`; 16-byte word loads: `-wide`; the words asked into the L2 2, 4 or 8 steps
-    ahead: `-pf2`, `-pf4`, `-pf8`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
+    `-plain`; 256 bytes: `-l2-256`; 16-byte word loads: `-wide`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
     through a ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran,
     at the sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the
-    Triton kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`),
-    through the ring, and with the one-row GEMV asking the L2 for its words 2, 4 or 8 steps ahead (`-gemv-pf2`, ...)."""
+    Triton kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and
+    through the ring."""
     import os
 
     from common import free_llm, run_latency
@@ -324,7 +281,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     table = best_configs(res)
     default = lowbit_mma.mma_config
     stages, l2, wide = lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2, lowbit_mma.MMA_WIDE
-    prefetch, gemv_prefetch = lowbit_mma.MMA_PREFETCH, kernels.GEMV_PREFETCH
     rows, int8_min, int8_on = lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS, lowbit_mma.INT8_MMA
     for name in engines:
         e = ENGINES[name]
@@ -334,8 +290,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         lowbit_mma._runs_on.cache_clear()  # the switch is read once a process: again for this engine
         # mma_config's ring depth (0: the words straight into registers) and INT4's L2 prefetch size
         lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2 = e.way or (stages, l2)
-        lowbit_mma.MMA_WIDE, lowbit_mma.MMA_PREFETCH = e.wide, e.prefetch
-        kernels.GEMV_PREFETCH = e.gemv_prefetch
+        lowbit_mma.MMA_WIDE = e.wide
         lowbit_mma.INT8_MMA = e.int8_mma
         lowbit.MMA_ROWS = e.mma_rows or rows
         lowbit.INT8_MMA_MIN_ROWS = e.int8_min or int8_min
@@ -357,7 +312,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
         finally:
             lowbit_mma.mma_config = default
             lowbit_mma.MMA_STAGES, lowbit_mma.MMA_L2, lowbit_mma.MMA_WIDE = stages, l2, wide
-            lowbit_mma.MMA_PREFETCH, kernels.GEMV_PREFETCH = prefetch, gemv_prefetch
             lowbit_mma.INT8_MMA = int8_on
             lowbit.MMA_ROWS, lowbit.INT8_MMA_MIN_ROWS = rows, int8_min
             os.environ.pop("TINYPAGED_INT4_MMA", None)
@@ -401,11 +355,6 @@ def table(res: dict[str, Any]) -> None:
             f"INT{bits}, a layer's four matmuls at M={m}: bf16 {b:.1f} us, triton {t:.1f}, "
             + ", ".join(f"{w} {u:.1f} ({t / u:.2f}x triton)" for w, u in sums.items())
         )
-        for d in GEMV_AHEAD:  # INT8's one-row GEMV asking the L2 ahead (against `triton`: the GEMV as it is)
-            if any(f"gemv_pf{d}_us" in r for r in rows):
-                u = sum(r.get(f"gemv_pf{d}_us", nan) for r in rows)
-                per = " / ".join(f"{r.get(f'gemv_pf{d}_us', nan):.1f}" for r in rows)
-                print(f"  GEMV asking the L2 {d} steps ahead: {u:.1f} us ({t / u:.2f}x; {per})")
     dec = res.get("decode", {})
     if dec:
         base = dec.get("bf16", {})

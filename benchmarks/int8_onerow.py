@@ -2,9 +2,8 @@
 GEMV's shape, a few rows of long runs in many programs) and the Gluon kernel's one-row tilings with and without
 the L2 prefetch hint, graph-timed at the 8B shapes (each launch on its own copy of the weight, as `int4_mma.py`
 times them) and checked against the float32 product of the same codes; then batch-1 / batch-16 decode of INT8 at
-the default tilings and at each layer's fastest GEMV tiling, beside bf16, in one process. `--ahead 0 4` sweeps every
-GEMV tiling also asking the L2 for its words 4 steps ahead (kernels/lowbit.py's `GEMV_PREFETCH`); `--no-mma` leaves
-the Gluon kernel out. About 170 tilings a layer by default: the JSON is written a layer at a time.
+the default tilings and at each layer's fastest GEMV tiling, beside bf16, in one process. `--no-mma` leaves the
+Gluon kernel out. About 170 tilings a layer by default: the JSON is written a layer at a time.
 
     tinypaged weights random --config llama-3.1-8b --out /tmp/m8b
     python3 benchmarks/int8_onerow.py --model /tmp/m8b --json benchmarks/results/int8-onerow-h200.json
@@ -28,9 +27,9 @@ from tinypaged.kernels import lowbit_mma
 from tinypaged.model.quant import lowbit
 
 
-def sweep(res: dict[str, Any], path: str, ahead: list[int], mma: bool) -> dict[tuple[int, int], tuple]:
-    """Every tiling timed (the GEMV's at each prefetch distance of `ahead`; the Gluon kernel's where `mma`), the
-    JSON written a layer at a time; the fastest GEMV config by (N, K)."""
+def sweep(res: dict[str, Any], path: str, mma: bool) -> dict[tuple[int, int], tuple]:
+    """Every tiling timed (the Gluon kernel's where `mma`), the JSON written a layer at a time; the fastest GEMV
+    config by (N, K)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     fastest = {}
     for name, n, k in base.SHAPES:
@@ -41,19 +40,17 @@ def sweep(res: dict[str, Any], path: str, ahead: list[int], mma: bool) -> dict[t
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         want = x.float() @ lowbit.dequantize_weight(w).T
         runs = [  # run 131's tilings: 32-128 rows a program, a group or two a step, K split
-            ("gemv", (bn, bk, split, warps, d))
-            for bn, bk, split, warps, d in itertools.product(
-                (32, 64, 128), (128, 256), (2, 4, 8, 16), (4, 8), ahead
-            )
+            ("gemv", (bn, bk, split, warps))
+            for bn, bk, split, warps in itertools.product((32, 64, 128), (128, 256), (2, 4, 8, 16), (4, 8))
             if (k // bk) % split == 0 and k // bk // split >= 2 and (warps == 4 or bn == 128)
         ]
         # bf16's GEMV reads 3.95 TB/s in the engine with 4 rows of 1,024 columns (2 KB runs) a program, many
         # programs, K unsplit (kernels/gemv.py); INT8's reads 2.77 at 64 rows of 128 (run 135). Its shape here:
         # 4-16 rows, runs of 128-1,024 bytes (past a group: a scale a word), one to four warps.
         runs += [
-            ("gemv", (bn, bk, split, warps, d))
-            for bn, bk, split, warps, d in itertools.product(
-                (4, 8, 16), (128, 256, 512, 1024), (1, 2, 4), (1, 2, 4), ahead
+            ("gemv", (bn, bk, split, warps))
+            for bn, bk, split, warps in itertools.product(
+                (4, 8, 16), (128, 256, 512, 1024), (1, 2, 4), (1, 2, 4)
             )
             if (k // bk) % split == 0 and bn * bk // 4 >= 32 * warps
         ]
@@ -78,7 +75,7 @@ def sweep(res: dict[str, Any], path: str, ahead: list[int], mma: bool) -> dict[t
                 continue
             err = base.rel_err(fn(x, w, config=cfg), want)
             rows.append({"layer": name, "path": path, "config": cfg, "us": us, "err": err, "ok": err < 5e-3})
-        default = (*kernels.gemv_config(1, n, k, 128), ahead[0])
+        default = kernels.gemv_config(1, n, k, 128)
         d = next(r for r in rows if r["path"] == "gemv" and r["config"] == default)
         best = {
             p: min((r for r in rows if r["path"] == p and r["ok"]), key=lambda r: r["us"])
@@ -104,18 +101,11 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--json", required=True)
     ap.add_argument(
-        "--ahead",
-        type=int,
-        nargs="+",
-        default=[0, 4],
-        help="the GEMV's prefetch distances swept (the first: the default's)",
-    )
-    ap.add_argument(
         "--no-mma", action="store_true", help="the GEMV's tilings only (the sweep in fewer minutes)"
     )
     args = ap.parse_args()
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "sweep": [], "decode": {}}
-    fastest = sweep(res, args.json, args.ahead, not args.no_mma)
+    fastest = sweep(res, args.json, not args.no_mma)
     base.write_json(args.json, res)
     base.decode(res, args.model, ["bf16", "int8-mma"], args.json)
     plain = kernels.gemv_config

@@ -46,7 +46,6 @@ body holds both matmul paths (they differ in a step's arithmetic only), and the 
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -71,21 +70,6 @@ class IntWeight(Protocol):
 
 
 GEMV_MAX_ROWS = 4
-# Steps ahead that the GEMV asks the L2 for its rows' words (one bulk request a row a step,
-# `cp.async.bulk.prefetch.L2`: nothing held while they come, so the step's own loads meet the L2 rather than DRAM);
-# 0: none. Off until timed (TINYPAGED_GEMV_PREFETCH; sm_90 and later).
-GEMV_PREFETCH = int(os.environ.get("TINYPAGED_GEMV_PREFETCH", "0"))
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, k0, cols, col_ok, stride_w, PACK: tl.constexpr, BYTES: tl.constexpr):
-    """Ask the L2 for BYTES bytes of words from column k0 of each of the program's weight rows `cols` (rows past
-    N ask for row 0's): nothing comes back to the thread."""
-    ptrs = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_w + k0 // PACK
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;", "=r,l,r",
-        [ptrs, tl.full(cols.shape, BYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -316,7 +300,6 @@ def _wint_kernel(
     SWAP_AB: tl.constexpr,
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """y[split, m, n] = sum over this program's K_SPLIT columns of x[m, k] * dequant(w)[n, k] (+ b[n]) for one
@@ -332,11 +315,6 @@ def _wint_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     k_lo = split * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    # The GEMV's first PREFETCH steps asked into the L2 before the wait (the weights never depend on the kernel
-    # before), then each step asks for the one PREFETCH on (the last ones for the piece's last).
-    for p in tl.static_range(PREFETCH):
-        k_ask = tl.minimum(k_lo + p * BLOCK_K, k_hi - BLOCK_K)
-        _prefetch_rows(w_ptr, k_ask, cols, col_ok, stride_w, PACK, BLOCK_K * BITS // 8)
     pdl_start(USE_PDL)
     if not DOT and BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K // PACK), dtype=tl.float32)
@@ -353,9 +331,6 @@ def _wint_kernel(
         s_next, z_next = _group_params(s_ptr, z_ptr, k_lo // GROUP, cols, col_ok, stride_s, BITS, HAS_ZERO)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # a step lies in one group or spans whole ones: no tail
         if not DOT:
-            if PREFETCH > 0:
-                k_ask = tl.minimum(k0 + PREFETCH * BLOCK_K, k_hi - BLOCK_K)
-                _prefetch_rows(w_ptr, k_ask, cols, col_ok, stride_w, PACK, BLOCK_K * BITS // 8)
             w, s, z = _gemv_words(
                 w_ptr, s_ptr, z_ptr, k0, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
             )
@@ -565,16 +540,13 @@ def _launch(
     warps: int,
     stages: int,
     dot: bool,
-    prefetch: int = 0,
 ) -> torch.Tensor:
-    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways (the GEMV
-    asking the L2 for its words `prefetch` steps ahead)."""
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
     spans = not dot and block_k % w.group == 0 and w.group & (w.group - 1) == 0
     assert (w.group % block_k == 0 or spans) and k % block_k == 0 and (k // block_k) % split == 0
-    assert prefetch >= 0 and (prefetch == 0 or not dot)  # the GEMV's alone
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -591,7 +563,7 @@ def _launch(
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
-        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), PREFETCH=prefetch, num_warps=warps,
+        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps,
         num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y
@@ -605,17 +577,13 @@ def wint_gemv(
 ) -> torch.Tensor:
     """x `[M, K]` (M <= 4, rows contiguous) times the dequantized weight `w` (the module docstring's layout),
     transposed, plus bias `[N]`: `[M, N]` in x's dtype, products and sums in float32 (semantics:
-    `model.quant.lowbit.ref_wint_linear`). `config`: (BLOCK_N, BLOCK_K, SPLIT, num_warps[, PREFETCH]), default
-    `gemv_config` (PREFETCH left out: `GEMV_PREFETCH` on the device, none under the interpreter)."""
+    `model.quant.lowbit.ref_wint_linear`). `config`: (BLOCK_N, BLOCK_K, SPLIT, num_warps), default
+    `gemv_config`."""
     m, k = x.shape
     assert 1 <= m <= GEMV_MAX_ROWS
     sms = num_sms(x.device) if x.is_cuda else 132
-    cfg = tuple(config or gemv_config(m, w.qweight.shape[0], k, w.group, sms))
-    if len(cfg) == 4:
-        cfg += (GEMV_PREFETCH if x.is_cuda and not INTERPRET else 0,)
-    block_n, block_k, split, warps, prefetch = cfg
-    tiles = (triton.next_power_of_2(m), block_n, block_k)
-    return _launch(x, w, bias, tiles, split, warps, 3, dot=False, prefetch=prefetch)
+    block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms)
+    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
 
 
 def wint_gemm(

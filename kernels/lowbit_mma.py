@@ -31,8 +31,6 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
   so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us). `WIDE` (INT4,
   off until timed: `MMA_WIDE`): a thread's four neighbouring words of a step in one 16-byte load, the step's
   words put in the MMA's k-slots in that order and the activations dealt to match (`_k_slots`).
-  `PREFETCH` (off until timed: `MMA_PREFETCH`): each step also asks the L2 for the words that many steps on
-  (`prefetch.global.L2`), bytes in flight that hold no register.
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
@@ -87,11 +85,6 @@ MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 # loads), and the step's words sit in the MMA's k-slots in that order, the activations' columns dealt to match:
 # the same products, summed in another order inside each MMA. Off until timed (TINYPAGED_INT4_MMA_WIDE=1).
 MMA_WIDE = os.environ.get("TINYPAGED_INT4_MMA_WIDE", "0") == "1"
-# Steps ahead that a layer's words are asked into the L2 on the registers path (STAGES 0; 0: none): each step, a
-# thread asks the L2 for its 16-byte runs of the words PREFETCH steps on (`prefetch.global.L2`, no register and no
-# shared memory held while they come), so that the next step's loads meet the L2 rather than DRAM. Off until
-# timed (TINYPAGED_INT4_MMA_PREFETCH).
-MMA_PREFETCH = int(os.environ.get("TINYPAGED_INT4_MMA_PREFETCH", "0"))
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
 # Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
@@ -182,20 +175,6 @@ def _words_wide(
     word0 = gl.multiple_of(k0 // 8, 16)  # a step's words start 64-byte aligned: 16-byte loads
     w = _load_words(w_ptr, rows, rows < N, word0, stride_w, cols, L2, 4)
     return gl.convert_layout(_k_slots(w, 1), a_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _prefetch_words(w_ptr, k0, pid_n, N, stride_w, w_layout: gl.constexpr, PACK: gl.constexpr):
-    """Ask the L2 for a step's packed words `[BLOCK_N, 16]` (from column k0), a 16-byte run of a row a thread
-    (`w_layout`'s four neighbouring words): nothing comes back to the thread."""
-    rows = pid_n * w_layout.shape[0] + gl.arange(0, w_layout.shape[0], layout=gl.SliceLayout(1, w_layout))
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, w_layout))
-    safe = gl.where(rows < N, rows, 0)
-    ptrs = w_ptr + (safe.to(gl.int64)[:, None] * stride_w + (k0 // PACK + cols)[None, :])
-    gl.inline_asm_elementwise(
-        "prefetch.global.L2 [$4];\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;",
-        "=r,=r,=r,=r,l,l,l,l", [ptrs], gl.int32, is_pure=False, pack=4,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -321,7 +300,7 @@ def _wint_mma_kernel(
     M, N, K, K_SPLIT, stride_x, stride_w, stride_y, sym_zero,
     BITS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, L2: gl.constexpr,
-    WIDE: gl.constexpr, PREFETCH: gl.constexpr, USE_PDL: gl.constexpr,
+    WIDE: gl.constexpr, USE_PDL: gl.constexpr,
 ):  # fmt: skip
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -382,17 +361,10 @@ def _wint_mma_kernel(
         else:
             w = _words(w_ptr, rows, row_ok, k_lo, stride_w, wcols, PACK, L2)
         s, z = _params(s_ptr, z_ptr, k_lo // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
-        for p in gl.static_range(1, PREFETCH + 1):  # PREFETCH: the steps after the first into the L2
-            _prefetch_words(
-                w_ptr, k_lo + gl.minimum(p, steps - 1) * STEP_K, pid_n, N, stride_w, w_layout, PACK
-            )
         pdl_start(USE_PDL)
         for i in range(steps):
             k0 = k_lo + i * STEP_K
             kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K  # the last step asks for its own again
-            if PREFETCH > 0:  # the L2 asked for the step PREFETCH on (the last ones ask for the piece's last)
-                kp = k_lo + gl.minimum(i + 1 + PREFETCH, steps - 1) * STEP_K
-                _prefetch_words(w_ptr, kp, pid_n, N, stride_w, w_layout, PACK)
             if WIDE:
                 w_next = _words_wide(w_ptr, kn, pid_n, N, stride_w, a_layout, w_layout, L2)
                 xs = _columns(_k_slots(_x_tile(x_rows, m_ok, k0, xw, xj), 0), b_layout, PACK)
@@ -546,10 +518,9 @@ def wint_mma(
     config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
-    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2[, WIDE[,
-    PREFETCH]]]), default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4 with STAGES
-    0; PREFETCH left out: `MMA_PREFETCH` with STAGES 0). Allocates with torch.empty only and never reads a value
-    back: CUDA graphs capture it."""
+    (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2[, WIDE]]),
+    default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4 with STAGES 0). Allocates
+    with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
@@ -559,12 +530,9 @@ def wint_mma(
         cfg += mma_config(m, n, k, bits=w.bits)[4:]
     if len(cfg) == 5:  # no word width given: the default's
         cfg += (MMA_WIDE and w.bits == 4 and cfg[3] == 0,)
-    if len(cfg) == 6:  # no prefetch distance given: the default's
-        cfg += (MMA_PREFETCH if cfg[3] == 0 else 0,)
-    block_n, warps, split, stages, l2, wide, prefetch = cfg
+    block_n, warps, split, stages, l2, wide = cfg
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
     assert l2 in (0, 64, 128, 256) and (not wide or (w.bits == 4 and stages == 0))
-    assert prefetch >= 0 and (prefetch == 0 or stages == 0)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
@@ -578,7 +546,6 @@ def wint_mma(
         x, w.qweight, s, z if z is not None else s, bias if bias is not None else s,
         y, part, counters, m, n, k, k // split, x.stride(0), w.qweight.stride(0), y.stride(0), 1 << (w.bits - 1),
         BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=8 if m <= 8 else 16,
-        BLOCK_N=block_n, WARPS=warps, STAGES=stages, L2=l2, WIDE=bool(wide), PREFETCH=prefetch,
-        num_warps=warps, **pdl_options(x),
+        BLOCK_N=block_n, WARPS=warps, STAGES=stages, L2=l2, WIDE=bool(wide), num_warps=warps, **pdl_options(x),
     )  # fmt: skip
     return y

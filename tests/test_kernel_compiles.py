@@ -327,7 +327,6 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "SPLIT": False,
         "BLOCK_K": 128,
         "ASM": bits == 4,
-        "PREFETCH": 0,
         "USE_PDL": True,
     }
     gemv = _lowbit_compile(
@@ -344,13 +343,6 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "SPLIT": True},
     )
     assert "atom.global.gpu.acq_rel.add" in split.asm["ptx"]
-    # PREFETCH: a bulk L2 request a row a step, the first steps' before the wait, one a step in the loop
-    ahead = _lowbit_compile(
-        "_wint_kernel",
-        base | {"BLOCK_M": 1, "BLOCK_N": 64, "DOT": False, "SWAP_AB": True, "IEEE": False, "PREFETCH": 3},
-    ).asm["ptx"]
-    asks = [i for i in range(len(ahead)) if ahead.startswith("cp.async.bulk.prefetch.L2.global", i)]
-    assert len(asks) == 4 and sum(i < ahead.index("griddepcontrol.wait") for i in asks) == 3
     wide = base | {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "DOT": False, "SWAP_AB": True, "IEEE": False}
     _lowbit_compile("_wint_kernel", wide)  # a GEMV step over four whole groups
     for block_m, swap in ((16, True), (64, False)):
@@ -440,19 +432,14 @@ def _wint_mma_compile(constexprs: dict[str, Any], dtype: str = "*bf16") -> Any:
 
 
 @pytest.mark.parametrize(
-    ("bits", "block_m", "split", "stages", "zeros", "l2", "wide", "prefetch"),
-    [(4, 8, 1, 0, True, 0, False, 0), (4, 8, 8, 0, True, 128, False, 0), (4, 16, 2, 0, True, 128, False, 0)]
-    + [(4, 8, 1, 4, True, 0, False, 0), (4, 8, 8, 3, False, 0, False, 0), (4, 8, 2, 0, False, 256, False, 0)]
-    + [(8, 8, 1, 0, False, 0, False, 0), (8, 16, 4, 0, True, 0, False, 0), (8, 8, 2, 4, False, 0, False, 0)]
-    + [(8, 8, 2, 0, True, 64, False, 0), (4, 8, 2, 0, True, 128, True, 0), (4, 16, 8, 0, False, 0, True, 0)]
-    + [
-        (4, 8, 2, 0, True, 128, False, 4),
-        (4, 8, 1, 0, False, 128, True, 2),
-        (8, 8, 4, 0, False, 0, False, 3),
-    ],
+    ("bits", "block_m", "split", "stages", "zeros", "l2", "wide"),
+    [(4, 8, 1, 0, True, 0, False), (4, 8, 8, 0, True, 128, False), (4, 16, 2, 0, True, 128, False)]
+    + [(4, 8, 1, 4, True, 0, False), (4, 8, 8, 3, False, 0, False), (4, 8, 2, 0, False, 256, False)]
+    + [(8, 8, 1, 0, False, 0, False), (8, 16, 4, 0, True, 0, False), (8, 8, 2, 4, False, 0, False)]
+    + [(8, 8, 2, 0, True, 64, False), (4, 8, 2, 0, True, 128, True), (4, 16, 8, 0, False, 0, True)],
 )
 def test_wint_mma_kernel_compiles_for_hopper(
-    bits: int, block_m: int, split: int, stages: int, zeros: bool, l2: int, wide: bool, prefetch: int
+    bits: int, block_m: int, split: int, stages: int, zeros: bool, l2: int, wide: bool
 ) -> None:
     """The Gluon INT4 / INT8 kernel (kernels/lowbit_mma.py) compiles for sm_90 with its operands loaded into
     mma.sync's registers, the activations in 16-byte loads after the wait on the kernel before (programmatic
@@ -474,7 +461,6 @@ def test_wint_mma_kernel_compiles_for_hopper(
         "STAGES": stages,
         "L2": l2,
         "WIDE": wide,
-        "PREFETCH": prefetch,
         "USE_PDL": True,
     }
     for dtype, pair in (("*bf16", ".bf16"), ("*fp16", ".f16")):
@@ -500,12 +486,6 @@ def test_wint_mma_kernel_compiles_for_hopper(
             loads = [i for i in range(len(ptx)) if ptx.startswith(load, i)]
             assert sum(i < wait for i in loads) == (1 if wide else 2) * (block_n // (8 * warps))
             assert not wide or "ld.global.v2.b32" not in ptx[:wait]
-            # PREFETCH: a thread's 16-byte runs of a step asked into the L2, the steps 1..PREFETCH before the
-            # wait, one step on in the loop
-            runs = block_n // (8 * warps)
-            asks = [i for i in range(len(ptx)) if ptx.startswith("prefetch.global.L2 ", i)]
-            assert len(asks) == (prefetch + 1) * runs * (prefetch > 0)
-            assert sum(i < wait for i in asks) == prefetch * runs
             # Shared memory only where a split's last program learns it is the last (its counter broadcast).
             assert ptx.count("ld.shared") == ptx.count("st.shared") == (split > 1)
             assert "cp.async" not in ptx
@@ -555,7 +535,6 @@ def test_wint_mma_registers_at_16_rows() -> None:
                 "STAGES": 0,
                 "L2": 128,
                 "WIDE": False,
-                "PREFETCH": 0,
                 "USE_PDL": True,
             }
             regs, stack = _registers(_wint_mma_compile(constexprs))
