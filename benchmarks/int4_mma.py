@@ -44,10 +44,7 @@ RING = 4
 # default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
 # bytes, an INT8 layer's plain); `plain`: plain loads (the default before run 127); `ring`: through the shared
 # ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too);
-# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default);
-# `wide_ring`: INT4's words through the ring, each thread copying the 16-byte runs it reads (no barrier of its own;
-# the compiler's two a step: NOTES.md); INT8 the plain ring there; `wide_ring1`: the same in programs of one warp
-# (`one_warp`: the compiler's barriers then hold a warp, not a program of four).
+# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default).
 WAYS = {
     "mma": None,
     "plain": (0, 0),
@@ -56,8 +53,6 @@ WAYS = {
     "l2_128": (0, 128),
     "l2_256": (0, 256),
     "wide": (0, 128, True),
-    "wide_ring": (RING, 0, True),
-    "wide_ring1": (RING, 0, True),
 }
 
 
@@ -66,27 +61,7 @@ def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
     config = lowbit_mma.mma_config(m, n, k, bits=bits)
     if WAYS[way] is None or (way == "wide" and bits != 4):  # INT8 has no wide words: the default's
         return config
-    if way == "wide_ring1":
-        return one_warp(m, n, k, bits=bits)
-    stages, l2, *wide = WAYS[way]
-    return (*config[:3], stages, l2, *(on and bits == 4 for on in wide))
-
-
-MMA_CONFIG = (
-    lowbit_mma.mma_config
-)  # the kernel's own rule (`decode` swaps `lowbit_mma.mma_config` per engine)
-
-
-def one_warp(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[int, ...]:
-    """An INT4 layer of up to 8 rows in programs of one warp (32 weight rows), the words through the ring of `RING`
-    steps in 16-byte runs (`wide_ring`), K split until the programs are about twelve a multiprocessor (three of the
-    default's four warps); otherwise `mma_config`'s."""
-    if bits != 4 or m > 8:
-        return MMA_CONFIG(m, n, k, sms, bits)
-    steps, tiles, split = k // 128, -(-n // 32), 1
-    while tiles * split < 12 * sms and steps % (split * 2) == 0 and steps // (split * 2) >= RING:
-        split *= 2
-    return 32, 1, split, RING, 0, True
+    return config[:3] + WAYS[way]
 
 
 BITS = (4, 8)
@@ -129,7 +104,7 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
-            firsts: dict[bool, torch.Tensor] = {}  # by k-slot order: wide (INT4) or the operand's
+            first = None
             for way in ways:  # the words straight into registers, through the shared ring, ...
                 cfg = way_config(way, m, n, k, bits)
                 got = lowbit_mma.wint_mma(x, w, bias, cfg)
@@ -143,14 +118,12 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
                 if m == 16:
                     alone = torch.cat([lowbit_mma.wint_mma(x[i : i + 1], w, bias, cfg) for i in range(m)])
                     row["row_alone_equal"] = bool(torch.equal(alone, got))
-                order = way.startswith("wide") and bits == 4
-                if order in firsts:  # the same sums in the same order, whichever way the words came in
-                    row["equal_to_registers"] = bool(torch.equal(got, firsts[order]))
-                elif firsts:  # the same products, summed in another order inside each MMA
-                    row["max_diff_to_registers"] = float(
-                        (got.float() - firsts[not order].float()).abs().max()
-                    )
-                firsts.setdefault(order, got)
+                if first is None:
+                    first = got
+                elif way == "wide":  # the same products, summed in another order inside each MMA
+                    row["max_diff_to_registers"] = float((got.float() - first.float()).abs().max())
+                else:  # the same sums in the same order, whichever way the words came in
+                    row["equal_to_registers"] = bool(torch.equal(got, first))
                 ok = (
                     row["same_twice"]
                     and row.get("row_alone_equal", True)
@@ -261,7 +234,6 @@ class Engine(NamedTuple):
     way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
     mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
     wide: bool = False  # lowbit_mma.MMA_WIDE: INT4's words in 16-byte loads
-    one_warp: bool = False  # INT4 up to 8 rows at `one_warp`'s tilings
     int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
 
 
@@ -280,8 +252,6 @@ ENGINES = {
     "int4-mma16-swept": Engine(INT4, swept=True, mma_rows=16),
     "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
     "int4-mma-wide": Engine(INT4, wide=True),
-    "int4-mma-wide-ring": Engine(INT4, way=WAYS["ring"], wide=True),
-    "int4-mma-wide-ring1": Engine(INT4, one_warp=True),
     "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
     "int8-triton": Engine(INT8),
     # the default (2-16 rows through the kernel), then from one row
@@ -296,8 +266,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain loads:
     `-plain`; 256 bytes: `-l2-256`; 16-byte word loads: `-wide`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
-    through a ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`; each thread copying the
-    16-byte runs it reads: `-wide-ring`, in programs of one warp: `-wide-ring1`), and, where the sweep ran,
+    through a ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran,
     at the sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the
     Triton kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and
     through the ring."""
@@ -333,8 +302,6 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
                 return default(m, n, k, sms, bits) if cfg is None else cfg + default(m, n, k, sms, bits)[4:]
 
             lowbit_mma.mma_config = swept
-        elif e.one_warp:
-            lowbit_mma.mma_config = one_warp
         try:
             llm = LLM(model=model, max_model_len=2048, max_num_seqs=64, **e.kw)
             lat = run_latency(llm, modes=("graphs",))

@@ -34,10 +34,7 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
-  TB/s. The sums are the same, in the same order: the same bits either way. With `WIDE` (INT4, off until timed)
-  each thread copies the 16-byte runs it reads itself; the compiler still puts two barriers a step around a ring
-  (one after every `cp.async` wait, one before a slot is copied into again), which a program of one warp makes
-  a warp's.
+  TB/s. The sums are the same, in the same order: the same bits either way.
 K splits across programs as in kernels/lowbit.py: the tile's last program to arrive sums the float32 partials in
 piece order, every piece's load in flight at once.
 
@@ -379,17 +376,10 @@ def _wint_mma_kernel(
             w, s, z = w_next, s_next, z_next
     else:
         # The words through a ring of STAGES steps in shared memory, STAGES - 1 steps in flight (cp.async): bytes
-        # in flight that hold no registers. Shared by the program: a row's 16 words in four 16-byte units, unit u
-        # of row r stored at u ^ (r % 4), so that a warp's 8-byte reads in the A operand's layout meet no bank
-        # twice; a barrier a step. WIDE (INT4): each thread copies exactly the words it reads (its 16-byte runs,
-        # `_wide_words_layout`), so its own copies' wait is all it waits on: no barrier. Rows one after the other,
-        # a warp's 16-byte reads then 512 bytes in a run.
-        if WIDE:
-            ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
-            copy_layout: gl.constexpr = _wide_words_layout(BLOCK_N, WARPS)
-        else:
-            ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0])
-            copy_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        # in flight that hold no registers. A row's 16 words in four 16-byte units, unit u of row r stored at
+        # u ^ (r % 4), so that a warp's 8-byte reads in the A operand's layout meet no bank twice.
+        ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0])
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
         ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], ring_layout)
         crows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
         crow_ok = crows < N
@@ -404,22 +394,16 @@ def _wint_mma_kernel(
         for i in range(steps):
             k0 = k_lo + i * STEP_K
             async_copy.wait_group(STAGES - 2)  # this thread's copies of step i are in
-            if WIDE:  # the words this thread copied itself, in k-slot order
-                w = ring.index(i % STAGES).load(copy_layout)
-                w = gl.convert_layout(_k_slots(w, 1), a_layout, assert_trivial=True)
-                xs = _columns(_k_slots(_x_tile(x_rows, m_ok, k0, xw, xj), 0), b_layout, PACK)
-            else:
-                gl.thread_barrier()  # everyone's are; and step i - 1's slot has been read by all
-                w = ring.index(i % STAGES).load(a_layout)
-                xs = _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK)
-            ahead = i + STAGES - 1  # into step i - 1's slot (this thread's reads of it were used by its step)
+            gl.thread_barrier()  # everyone's are; and step i - 1's slot has been read by all
+            w = ring.index(i % STAGES).load(a_layout)
+            ahead = i + STAGES - 1  # into step i - 1's slot
             _copy_words(
                 ring.index(ahead % STAGES), w_ptr, crows, crow_ok, ccols, k_lo + ahead * STEP_K, stride_w,
                 ahead < steps, PACK,
             )  # fmt: skip
             kn = k_lo + gl.minimum(i + 1, steps - 1) * STEP_K
             s_next, z_next = _params(s_ptr, z_ptr, kn // GROUP, srows, rows, N, sym_zero, HAS_ZERO)
-            acc = _step(acc, w, s, z, xs, BITS)
+            acc = _step(acc, w, s, z, _columns(_x_tile(x_rows, m_ok, k0, xw, xj), b_layout, PACK), BITS)
             s, z = s_next, z_next
         async_copy.wait_group(0)  # no copy left in flight at exit (the ones past the end copy nothing)
 
@@ -535,7 +519,7 @@ def wint_mma(
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
     (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2[, WIDE]]),
-    default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4). Allocates
+    default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4 with STAGES 0). Allocates
     with torch.empty only and never reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
@@ -545,10 +529,10 @@ def wint_mma(
     if len(cfg) == 4:  # no L2 size given: the default's
         cfg += mma_config(m, n, k, bits=w.bits)[4:]
     if len(cfg) == 5:  # no word width given: the default's
-        cfg += (MMA_WIDE and w.bits == 4,)
+        cfg += (MMA_WIDE and w.bits == 4 and cfg[3] == 0,)
     block_n, warps, split, stages, l2, wide = cfg
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
-    assert l2 in (0, 64, 128, 256) and (not wide or w.bits == 4)
+    assert l2 in (0, 64, 128, 256) and (not wide or (w.bits == 4 and stages == 0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
     if split > 1:
