@@ -33,6 +33,7 @@ import torch
 from common import write_json
 from fp8_gemm_sweep import graph_us
 from int4_mma import SHAPES, copies_for, nbytes
+from lowbit import clone
 
 from tinypaged.kernels import lowbit_mma
 from tinypaged.model.quant import lowbit
@@ -78,10 +79,7 @@ def main() -> None:
         for layer, n, k in SHAPES:
             wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
             w = lowbit.quantize_rtn(wb, 4, 128, False)  # the engine's INT4: zero points, groups of 128
-            ws = [w] + [
-                w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone())
-                for _ in range(copies_for(nbytes(w)) - 1)
-            ]
+            ws = [w] + [clone(w) for _ in range(copies_for(nbytes(w)) - 1)]
             for m in (1, 8):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 cfg = lowbit_mma.mma_config(m, n, k, bits=4)[:5]

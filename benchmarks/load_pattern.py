@@ -70,6 +70,13 @@ def _offsets(task, i, r, c, words_per_row, steps, pieces, RUN: gl.constexpr, CON
 
 
 @gluon.jit
+def _step_words(w_ptr, task, i, r, c, words_per_row, steps, pieces, RUN: gl.constexpr, CONTIG: gl.constexpr,
+                L2: gl.constexpr):  # fmt: skip
+    """Step i's words of a task."""
+    return _load(w_ptr, _offsets(task, i, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
+
+
+@gluon.jit
 def _read_kernel(
     w_ptr, out_ptr, words_per_row, steps, pieces, tasks,
     RUN: gl.constexpr, L2: gl.constexpr, CONTIG: gl.constexpr, AHEAD: gl.constexpr, PROGRAMS: gl.constexpr,
@@ -81,27 +88,21 @@ def _read_kernel(
     c = gl.arange(0, RUN, layout=gl.SliceLayout(0, layout))
     acc = gl.zeros([BLOCK_N, RUN], gl.int32, layout)
     for task in range(gl.program_id(0), tasks, PROGRAMS):
-        if AHEAD == 0:
+        if AHEAD == 0:  # each step's words used as they come
             for i in range(steps):
-                acc = acc ^ _load(
-                    w_ptr, _offsets(task, i, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2
-                )
-        elif AHEAD == 1:
-            cur = _load(w_ptr, _offsets(task, 0, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
+                acc = acc ^ _step_words(w_ptr, task, i, r, c, words_per_row, steps, pieces, RUN, CONTIG, L2)
+        else:  # the words of the AHEAD (1 or 2) steps after the one used already asked for
+            cur = _step_words(w_ptr, task, 0, r, c, words_per_row, steps, pieces, RUN, CONTIG, L2)
+            nxt = _step_words(w_ptr, task, AHEAD - 1, r, c, words_per_row, steps, pieces, RUN, CONTIG, L2)
             for i in range(steps):
-                j = gl.minimum(i + 1, steps - 1)
-                nxt = _load(w_ptr, _offsets(task, j, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
+                j = gl.minimum(i + AHEAD, steps - 1)
+                new = _step_words(w_ptr, task, j, r, c, words_per_row, steps, pieces, RUN, CONTIG, L2)
                 acc = acc ^ cur
-                cur = nxt
-        else:
-            cur = _load(w_ptr, _offsets(task, 0, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
-            nxt = _load(w_ptr, _offsets(task, 1, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
-            for i in range(steps):
-                j = gl.minimum(i + 2, steps - 1)
-                new = _load(w_ptr, _offsets(task, j, r, c, words_per_row, steps, pieces, RUN, CONTIG), L2)
-                acc = acc ^ cur
-                cur = nxt
-                nxt = new
+                if AHEAD == 1:
+                    cur = new
+                else:
+                    cur = nxt
+                    nxt = new
     gl.store(out_ptr + gl.program_id(0) * WORDS_STEP + r[:, None] * RUN + c[None, :], acc)
 
 
@@ -122,7 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
     p.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4, 6], help="programs an SM (7 fit)")
-    p.add_argument("--aheads", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--aheads", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
     p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     p.add_argument("--split", type=int, default=2, help="K pieces a row tile (the INT4 kernel's gate_up: 2)")
     args = p.parse_args()
