@@ -16,8 +16,8 @@ The outputs of the copies are wrong by design; only their times are kept. The di
 copy bounds what moving those loads off the path could give. The compiler hoists what no longer changes out of the
 loop, so the copies also hold fewer registers (sm_90, the default tiling: 122 as it is, 124 `x_once`, 96
 `x_params_once` and `all_once`): more programs a multiprocessor may be part of what a copy gains. Also the kernel
-with its words in 16-byte loads (`wide`) at one and 8 rows. Each launch reads its own copy of the weight (past the
-L2); the table is printed last.
+with its words in 16-byte loads (`wide`, the default since run 141; `asis` and the copies load them in 8-byte
+pairs) at one and 8 rows. Each launch reads its own copy of the weight (past the L2); the table is printed last.
 """
 
 from __future__ import annotations

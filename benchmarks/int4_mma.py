@@ -44,7 +44,8 @@ RING = 4
 # default (`mma_config`'s: straight into registers one step ahead, an INT4 layer's loads asking the L2 for 128
 # bytes, an INT8 layer's plain); `plain`: plain loads (the default before run 127); `ring`: through the shared
 # ring; `l2_64` / `l2_128` / `l2_256`: each load asking the L2 to fetch that many bytes of the row (INT8 too);
-# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`; the L2 hint as the default).
+# `wide`: INT4's words in 16-byte loads, each step's k-slots in their order (`MMA_WIDE`, the default up to 8 rows;
+# the L2 hint as the default); `pairs`: in 8-byte pairs (the operand's own layout, the default before run 141).
 WAYS = {
     "mma": None,
     "plain": (0, 0),
@@ -53,13 +54,14 @@ WAYS = {
     "l2_128": (0, 128),
     "l2_256": (0, 256),
     "wide": (0, 128, True),
+    "pairs": (0, 128, False),
 }
 
 
 def way_config(way: str, m: int, n: int, k: int, bits: int) -> tuple[int, ...]:
     """`wint_mma`'s config for a layer, the words coming in the way `WAYS` names."""
     config = lowbit_mma.mma_config(m, n, k, bits=bits)
-    if WAYS[way] is None or (way == "wide" and bits != 4):  # INT8 has no wide words: the default's
+    if WAYS[way] is None or (way in ("wide", "pairs") and bits != 4):  # INT8 has no wide words: the default's
         return config
     return config[:3] + WAYS[way]
 
@@ -104,7 +106,7 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
             x = torch.randn(m, k, device=DEV, dtype=dt, generator=gen)
             want = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             triton_err = rel_err(triton_path(x, w, bias), want)
-            first = None
+            first, first_wide = None, False
             for way in ways:  # the words straight into registers, through the shared ring, ...
                 cfg = way_config(way, m, n, k, bits)
                 got = lowbit_mma.wint_mma(x, w, bias, cfg)
@@ -118,9 +120,10 @@ def checks(res: dict[str, Any], gen: torch.Generator, quick: bool, ways: list[st
                 if m == 16:
                     alone = torch.cat([lowbit_mma.wint_mma(x[i : i + 1], w, bias, cfg) for i in range(m)])
                     row["row_alone_equal"] = bool(torch.equal(alone, got))
+                wide = lowbit_mma.full_config(m, n, k, bits, cfg)[5]
                 if first is None:
-                    first = got
-                elif way == "wide":  # the same products, summed in another order inside each MMA
+                    first, first_wide = got, wide
+                elif wide != first_wide:  # the same products, summed in another order inside each MMA
                     row["max_diff_to_registers"] = float((got.float() - first.float()).abs().max())
                 else:  # the same sums in the same order, whichever way the words came in
                     row["equal_to_registers"] = bool(torch.equal(got, first))
@@ -233,7 +236,7 @@ class Engine(NamedTuple):
     swept: bool = False  # the sweep's fastest tilings (M = 1's at one row, M = 8's at 2-8, M = 16's at 9-16)
     way: tuple[int, int] | None = None  # (STAGES, L2) of mma_config; None: the default's
     mma_rows: int | None = None  # model/quant/lowbit.py's MMA_ROWS; None: the default
-    wide: bool = False  # lowbit_mma.MMA_WIDE: INT4's words in 16-byte loads
+    wide: bool = True  # lowbit_mma.MMA_WIDE: INT4's words in 16-byte loads (up to 8 rows: the default)
     int8_min: int | None = None  # INT8_MMA_MIN_ROWS; None: the default
 
 
@@ -251,7 +254,7 @@ ENGINES = {
     # 9-16 rows through the kernel at the sweep's 16-row tilings (the default split gives two waves there)
     "int4-mma16-swept": Engine(INT4, swept=True, mma_rows=16),
     "int4-mma-plain": Engine(INT4, way=WAYS["plain"]),
-    "int4-mma-wide": Engine(INT4, wide=True),
+    "int4-mma-pairs": Engine(INT4, wide=False),  # the words in 8-byte pairs (the default before run 141)
     "int4-mma-l2-256": Engine(INT4, way=WAYS["l2_256"]),
     "int8-triton": Engine(INT8),
     # the default (2-16 rows through the kernel), then from one row
@@ -265,7 +268,7 @@ def decode(res: dict[str, Any], model: str, engines: list[str], path: str) -> No
     """Batch-1 and batch-16 decode (benchmarks/lowbit.py's measurements), one engine of `ENGINES` after the other in
     this process: bf16; INT4 through the Triton kernel (`TINYPAGED_INT4_MMA=0`), through `wint_mma` at its default
     tilings with the words straight into registers (the default, its loads asking the L2 for 128 bytes; plain loads:
-    `-plain`; 256 bytes: `-l2-256`; 16-byte word loads: `-wide`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
+    `-plain`; 256 bytes: `-l2-256`; 8-byte word pairs: `-pairs`; also at 9-16 rows, `MMA_ROWS` 16: `int4-mma16`) and
     through a ring of `RING` steps in shared memory (also at 9-16 rows: `int4-mma-ring16`), and, where the sweep ran,
     at the sweep's fastest (up to 8 rows; `int4-mma16-swept` up to 16); INT8 (groups of 128, symmetric) through the
     Triton kernels (`INT8_MMA` off), through `wint_mma` at 2-16 rows (the default) and from one row (`-mma1`), and

@@ -28,9 +28,9 @@ waits on it (programmatic dependent launch). Then two ways (`STAGES`):
   read 2.3-2.4 TB/s (run 113): by Little's law about what a multiprocessor's ~12 warps keep in flight that way
   (2 KB a warp, the next step's words, held in registers until they land) against HBM's latency under load.
   An INT4 layer's loads ask the L2 to fetch 128 bytes of the row (`ld.global.nc.L2::128B`): a step reads 64,
-  so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us). `WIDE` (INT4,
-  off until timed: `MMA_WIDE`): a thread's four neighbouring words of a step in one 16-byte load, the step's
-  words put in the MMA's k-slots in that order and the activations dealt to match (`_k_slots`).
+  so the next step's words come from the L2 (run 127, H100: gate_up at one row 33.2 -> 28.1 us). `WIDE` (INT4 up
+  to 8 rows, the default: `MMA_WIDE`): a thread's four neighbouring words of a step in one 16-byte load, the
+  step's words put in the MMA's k-slots in that order and the activations dealt to match (`_k_slots`).
 - STAGES >= 2: the words come through a ring of STAGES steps in shared memory (16-byte `cp.async`, STAGES - 1
   steps in flight: 24 KB a program at 4), read into the A operand's registers with 8-byte shared loads. The
   bytes in flight hold no registers, as in the FP8 matmul (`kernels/fp8_gemm.py`), which reads gate_up at 3.8
@@ -83,8 +83,11 @@ MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 # An INT4 layer's words in 16-byte loads on the registers path (STAGES 0): thread t of a warp loads words 4t..4t + 3
 # of a row's step (one load) where the A operand's layout gives it words 2t, 2t + 1, 2t + 8, 2t + 9 (two 8-byte
 # loads), and the step's words sit in the MMA's k-slots in that order, the activations' columns dealt to match:
-# the same products, summed in another order inside each MMA. Off until timed (TINYPAGED_INT4_MMA_WIDE=1).
-MMA_WIDE = os.environ.get("TINYPAGED_INT4_MMA_WIDE", "0") == "1"
+# the same products, summed in another order inside each MMA (the same bits as the pairs' on every check, runs
+# 137-138). On by default up to 8 rows (TINYPAGED_INT4_MMA_WIDE=0: the pairs). Measured on H100s (runs 137-141): a
+# layer's four 2-4% faster at 1, 2, 4 and 8 rows (one row 55.0-55.6 us against 57.3-58.8), batch 1 +1.6-2.0%
+# (372.4-374.0 tok/s against 366.3-367.4, runs 138-141); at 16 rows slower (98.1 against 80.8 us, run 137).
+MMA_WIDE = os.environ.get("TINYPAGED_INT4_MMA_WIDE", "1") == "1"
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
 
 # Four INT8 codes a word into half-precision pairs: code j of two neighbouring words goes into the low byte of
@@ -511,6 +514,17 @@ def mma_config(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> tuple[i
     return 128, 4, split, MMA_STAGES, l2
 
 
+def full_config(m: int, n: int, k: int, bits: int, config: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """`config` (default `mma_config`'s) with what it leaves out filled in: the L2 size `mma_config`'s, WIDE
+    `MMA_WIDE` on INT4 with STAGES 0 up to 8 rows."""
+    cfg = tuple(config or mma_config(m, n, k, bits=bits))
+    if len(cfg) == 4:  # no L2 size given: the default's
+        cfg += mma_config(m, n, k, bits=bits)[4:]
+    if len(cfg) == 5:  # no word width given: the default's
+        cfg += (MMA_WIDE and bits == 4 and cfg[3] == 0 and m <= 8,)
+    return cfg
+
+
 def wint_mma(
     x: torch.Tensor,
     w: IntWeight,
@@ -519,18 +533,13 @@ def wint_mma(
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for 1-16 rows of bf16 / fp16 x and a layer `takes` accepts
     (`model/quant/lowbit.py` sends it up to MMA_ROWS). `config`: (BLOCK_N, WARPS, SPLIT, STAGES[, L2[, WIDE]]),
-    default `mma_config` (L2 left out: `mma_config`'s; WIDE left out: `MMA_WIDE` on INT4 with STAGES 0). Allocates
-    with torch.empty only and never reads a value back: CUDA graphs capture it."""
+    default `mma_config`, what it leaves out filled in by `full_config`. Allocates with torch.empty only and never
+    reads a value back: CUDA graphs capture it."""
     m, k = x.shape
     n = w.qweight.shape[0]
     pack = 32 // w.bits
     assert 1 <= m <= 16 and x.stride(1) == 1 and takes(x, w) and w.qweight.shape[1] * pack == k
-    cfg = tuple(config or mma_config(m, n, k, bits=w.bits))
-    if len(cfg) == 4:  # no L2 size given: the default's
-        cfg += mma_config(m, n, k, bits=w.bits)[4:]
-    if len(cfg) == 5:  # no word width given: the default's
-        cfg += (MMA_WIDE and w.bits == 4 and cfg[3] == 0,)
-    block_n, warps, split, stages, l2, wide = cfg
+    block_n, warps, split, stages, l2, wide = full_config(m, n, k, w.bits, config)
     assert block_n % (16 * warps) == 0 and (k // (16 * pack)) % split == 0 and stages != 1
     assert l2 in (0, 64, 128, 256) and (not wide or (w.bits == 4 and stages == 0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
