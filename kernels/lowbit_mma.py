@@ -85,7 +85,7 @@ MMA_L2 = int(os.environ.get("TINYPAGED_INT4_MMA_L2", "128"))
 # loads), and the step's words sit in the MMA's k-slots in that order, the activations' columns dealt to match:
 # the same products, summed in another order inside each MMA (the same bits as the pairs' on every check, runs
 # 137-138). On by default up to 8 rows (TINYPAGED_INT4_MMA_WIDE=0: the pairs). Measured on H100s (runs 137-141): a
-# layer's four 2-4% faster at 1, 2, 4 and 8 rows (one row 55.0-55.6 us against 57.3-58.8), batch 1 +1.6-2.0%
+# layer's four 2-4% faster at 1, 2, 4 and 8 rows (one row 55.0-56.4 us against 57.3-58.8), batch 1 +1.6-2.0%
 # (372.4-374.0 tok/s against 366.3-367.4, runs 138-141); at 16 rows slower (98.1 against 80.8 us, run 137).
 MMA_WIDE = os.environ.get("TINYPAGED_INT4_MMA_WIDE", "1") == "1"
 GROUP = gl.constexpr(128)  # the columns of a group of codes, the one group size the kernel takes
