@@ -18,11 +18,15 @@ Three paths, by the step's row count (`model/quant/lowbit.py` dispatches):
   `word * 32 / bits + j` (no reshape: splitting the packed dimension would cost a trip through shared memory),
   turns codes into floats by setting them into 2^23's mantissa (no integer-to-float instruction, which runs
   at a quarter of the float rate), and keeps a float32 partial a word per thread, scaled once a step, as
-  kernels/gemv.py does for bf16. Where the output is narrow (4,096 columns make
-  128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs that write
-  float32 partial sums and count themselves in on the tile's counter; the last to arrive adds the partials in
-  split order (never arrival order: deterministic), adds the bias and stores the tile, and sets the counter
-  back to zero, as kernels/fp8_gemm.py does (one launch a layer: run 81 found the small layers latency-bound).
+  kernels/gemv.py does for bf16. INT8 at one row of bf16 or fp16 on the device takes each word's four products
+  in one inline-PTX chain (`INT8_GEMV_ASM`: a `prmt`, a subtraction and a multiply-add a weight, the same
+  values and roundings as the float32 route, where the compiler spends five or six instructions a weight), its
+  activations read 8 bytes a word, at `gemv_config`'s one-wave tilings. Where the output is narrow (4,096
+  columns make 128 programs of 32 rows, fewer than an H200's 132 multiprocessors) K is split over SPLIT programs
+  that write float32 partial sums and count themselves in on the tile's counter; the last to arrive adds the
+  partials in split order (never arrival order: deterministic), adds the bias and stores the tile, and sets the
+  counter back to zero, as kernels/fp8_gemm.py does (one launch a layer: run 81 found the small layers
+  latency-bound).
   Products and sums are float32: it matches the float32 reference up to the order and rounding of the sums.
 - `wint_gemm` (from one row for INT4 with bf16 or fp16 activations, else from two; up to 64 rows:
   `gemv_rows` and model/quant/lowbit.py dispatch): tiles through the tensor cores. INT4 codes in bf16 or fp16
@@ -46,6 +50,7 @@ body holds both matmul paths (they differ in a step's arithmetic only), and the 
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -70,6 +75,10 @@ class IntWeight(Protocol):
 
 
 GEMV_MAX_ROWS = 4
+INT8_GEMV_PTX = os.environ.get("TINYPAGED_INT8_GEMV_PTX", "1") == "1"  # `gemv_ptx`
+# Registers a thread of INT8's GEMV through the PTX chain at one row, four warps, by weight rows a program
+# (sm_90, Triton 3.6; tests/test_kernel_compiles.py holds the compiler to them): `gemv_config` sizes a wave by them.
+GEMV_PTX_REGS = {32: 48, 64: 72, 128: 128}
 
 
 @triton.jit
@@ -227,10 +236,51 @@ def _gemv_words(
     return words, s, z
 
 
+# An INT8 word's four products with the activations in one chain, for the GEMV at one row: code j goes into the
+# low byte of the float 2^23 + zero (`prmt` takes its upper bytes, 0x4B0000, from that float: its bits are then
+# 2^23 + code), the float 2^23 + zero is taken away (exact: a small integer), and the four products sum in code
+# order, the first a plain product: the float32 route's values and roundings (`_minus_zero`, then `part += x *
+# w`), in three instructions a weight where the compiler makes five or six of it. Inputs: the word, its four
+# columns' activations (float32), 2^23 + zero (float32); output: the word's partial.
+_INT8_GEMV_CODE = """
+prmt.b32 v, $1, $6, 0x765J;
+sub.f32 v, v, $6;
+fma.rn.f32 $0, $X, v, $0;"""
+INT8_GEMV_ASM = tl.constexpr(
+    "{\n.reg .b32 v;"
+    + "".join(_INT8_GEMV_CODE.replace("J", str(j)).replace("X", str(2 + j)) for j in range(4)).replace(
+        "fma.rn.f32 $0, $2, v, $0", "mul.rn.f32 $0, $2, v"
+    )
+    + "\n}\n"
+)
+
+
+@triton.jit
+def _x_runs(x_ptr, kp, HALF: tl.constexpr):
+    """The activations of one row at the four columns of each INT8 word kp (`[W]`), float32: one 8-byte load a
+    word (a run of four bf16 or fp16), split into its four values in the words' own layout (bf16: the bits
+    shifted into a float's upper half)."""
+    xq = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + kp)
+    lo = xq.to(tl.uint32)
+    hi = (xq >> 32).to(tl.uint32)
+    if HALF:
+        x0 = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x1 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x2 = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x0 = (lo << 16).to(tl.float32, bitcast=True)
+        x1 = ((lo >> 16) << 16).to(tl.float32, bitcast=True)
+        x2 = (hi << 16).to(tl.float32, bitcast=True)
+        x3 = ((hi >> 16) << 16).to(tl.float32, bitcast=True)
+    return x0, x1, x2, x3
+
+
 @triton.jit
 def _gemv_products(
-    x_rows, words, s, z, k0, row_ok, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-):
+    x_rows, words, s, z, k0, row_ok, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
     """One K step of the GEMV over its words, scales and zero points (`_gemv_words`): float32 partials
     `[BLOCK_M, BLOCK_N, BLOCK_K / PACK]` (one row: `[BLOCK_N, BLOCK_K / PACK]`), one per packed word, each summing
     its PACK codes' products with the activations they meet. The words stay in the layout they were loaded in:
@@ -239,7 +289,14 @@ def _gemv_products(
     through shared memory)."""
     PACK: tl.constexpr = 32 // BITS
     kp = tl.multiple_of(k0 // PACK, BLOCK_K // PACK) + tl.arange(0, BLOCK_K // PACK)
-    if BLOCK_M == 1:  # one row: everything in the words' own 2D layout, no layout conversion in the loop
+    if BLOCK_M == 1 and BITS == 8 and ASM:  # x 8-byte aligned: a word's four products in one PTX chain
+        x0, x1, x2, x3 = _x_runs(x_rows, kp, x_rows.dtype.element_ty == tl.float16)  # each [1, W]
+        part = tl.inline_asm_elementwise(
+            INT8_GEMV_ASM, "=r,r,r,r,r,r,r", [words, x0, x1, x2, x3, z + 8388608.0], tl.float32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        out = part * s
+    elif BLOCK_M == 1:  # one row: everything in the words' own 2D layout, no layout conversion in the loop
         part = tl.zeros(words.shape, dtype=tl.float32)
         for j in tl.static_range(PACK):
             x = tl.load(x_rows + (kp * PACK + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -334,7 +391,7 @@ def _wint_kernel(
             w, s, z = _gemv_words(
                 w_ptr, s_ptr, z_ptr, k0, cols, col_ok, stride_w, stride_s, GROUP, BITS, HAS_ZERO, BLOCK_K
             )
-            acc += _gemv_products(x_rows, w, s, z, k0, row_ok, BITS, BLOCK_M, BLOCK_K)
+            acc += _gemv_products(x_rows, w, s, z, k0, row_ok, BITS, BLOCK_M, BLOCK_K, ASM)
         elif BLOCK_K // PACK >= 16:  # each code position's columns make a dot of their own (K >= 16)
             kp = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
             words = tl.load(
@@ -453,18 +510,38 @@ def _split(
     return split
 
 
-def gemv_config(m: int, n: int, k: int, group: int, sms: int = 132) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: 64 weight rows a program (at one row), one group
-    (up to 128 columns) a step, K split 8 ways where the tiles are fewer than two a multiprocessor and 4 ways
-    where they are more (each part at least two steps). From the graph-timed sweep at one row (run 81,
-    benchmarks/NOTES.md): the best tiling of INT4 and INT8 at the four 8B shapes but INT8's qkv (32 rows, 4
-    ways: 12.6 us against 13.3); run 72's defaults (512-column steps), set by Python-launch timings, were
-    1.1-2.0x slower."""
+def gemv_config(
+    m: int, n: int, k: int, group: int, sms: int = 132, ptx: bool = False
+) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for `wint_gemv`: one group (up to 128 columns) a step, four warps.
+
+    `ptx` (INT8 at one row through the PTX chain, `gemv_ptx`): of 32, 64 and 128 weight rows a program, each with
+    K split as far as one wave of programs holds (`GEMV_PTX_REGS`' registers a thread set the programs a
+    multiprocessor; at most 16 ways, each part two steps or more), the one whose wave holds the most weight rows
+    in flight; where level, the fewer rows a program (more warps). At the 8B shapes: qkv 64 rows split 8, o and
+    down 128 rows split 16, gate_up 64 rows split 2, each the fastest or within 5% of the fastest of 23 tilings
+    on the H200 (run 144), and the engine's INT8 batch 1 within 1.1% of every layer at its fastest (run 146).
+
+    Else 64 weight rows a program (at one row), K split 8 ways where the tiles are fewer than two a
+    multiprocessor and 4 ways where they are more (each part at least two steps). From the graph-timed sweep at
+    one row (run 81, benchmarks/NOTES.md): the best tiling of INT4 and INT8 at the four 8B shapes but INT8's qkv
+    (32 rows, 4 ways: 12.6 us against 13.3); run 72's defaults (512-column steps), set by Python-launch timings,
+    were 1.1-2.0x slower."""
     block_m = triton.next_power_of_2(m)
     block_k = step_k(group)
+    steps = k // block_k
+    if ptx:
+        best = (0, 0, 1)
+        for block_n, regs in GEMV_PTX_REGS.items():
+            fit = sms * (65536 // (regs * 128))  # programs a wave: the registers of four-warp programs
+            tiles, split = triton.cdiv(n, block_n), 1
+            while split < 16 and steps % (2 * split) == 0 and steps >= 4 * split and tiles * 2 * split <= fit:
+                split *= 2
+            best = max(best, (min(tiles * split, fit) * block_n, -block_n, split))  # rows in flight, warps
+        return -best[1], block_k, best[2], 4
     block_n = max(4, 64 // block_m)
     tiles = triton.cdiv(n, block_n)
-    split, steps = 8 if tiles < 2 * sms else 4, k // block_k
+    split = 8 if tiles < 2 * sms else 4
     while split > 1 and (steps % split or steps // split < 2):
         split //= 2
     return block_n, block_k, split, 4
@@ -502,6 +579,21 @@ def uses_asm(x: torch.Tensor, w: IntWeight) -> bool:
     bf16 or fp16 activations on the device; Triton's interpreter, which cannot run PTX, takes the float32
     route to the same values."""
     return w.bits == 4 and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not INTERPRET
+
+
+def gemv_ptx(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether the GEMV takes an INT8 word's products in one PTX chain (`INT8_GEMV_ASM`): one row of bf16 or
+    fp16 on the device, 8-byte aligned (it reads the activations 8 bytes a word); `TINYPAGED_INT8_GEMV_PTX=0`
+    sends every step the compiler's float32 route, the same values, for side-by-side measurements."""
+    return (
+        INT8_GEMV_PTX
+        and w.bits == 8
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_cuda
+        and not INTERPRET
+        and x.data_ptr() % 8 == 0
+    )
 
 
 def gemv_rows(x: torch.Tensor, w: IntWeight) -> int:
@@ -563,7 +655,7 @@ def _launch(
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
-        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w), num_warps=warps,
+        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w) if dot else gemv_ptx(x, w), num_warps=warps,
         num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y
@@ -582,7 +674,8 @@ def wint_gemv(
     m, k = x.shape
     assert 1 <= m <= GEMV_MAX_ROWS
     sms = num_sms(x.device) if x.is_cuda else 132
-    block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms)
+    ptx = gemv_ptx(x, w)
+    block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms, ptx)
     return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
 
 

@@ -316,7 +316,8 @@ def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) ->
 @pytest.mark.parametrize("bits", [4, 8])
 def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not, K split or not) and dequantize kernels
-    compile for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads and the
+    compile for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads (INT8's
+    products in inline PTX, the activations in 16-byte loads too) and the
     tensor-core kernel runs bf16 wgmma (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX;
     a split launch counts its programs in with a release-acquire atomic."""
     base = {
@@ -329,10 +330,13 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
         "ASM": bits == 4,
         "USE_PDL": True,
     }
-    gemv = _lowbit_compile(
-        "_wint_kernel", base | {"BLOCK_M": 1, "BLOCK_N": 32, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    gemv = _lowbit_compile(  # ASM: INT8's products in the PTX chain (`gemv_ptx`); INT4's GEMV has none
+        "_wint_kernel",
+        base | {"BLOCK_M": 1, "BLOCK_N": 32, "DOT": False, "SWAP_AB": True, "IEEE": False, "ASM": True},
     )
     ptx = gemv.asm["ptx"]
+    if bits == 8:  # a prmt a code, the activations 8 bytes a word (16-byte loads of two words' runs)
+        assert ptx.count("prmt.b32") == 32 * 128 // 4 * 4 // 128 and "ld.global.v2.b64" in ptx
     assert ptx.index("griddepcontrol.wait") < min(
         ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
     )
@@ -541,6 +545,25 @@ def test_wint_mma_registers_at_16_rows() -> None:
             assert stack == 0, (bits, reps, zeros)
             counts.append(regs)
         assert max(counts) == want, (bits, reps, counts)
+
+
+def test_int8_gemv_registers() -> None:
+    """`gemv_config` sizes a wave of INT8's one-row GEMV (the PTX chain, four warps) by `GEMV_PTX_REGS`'s registers
+    a thread: the compiled kernel, with or without zero points, needs no more than the table says, and the table's
+    figure is one of the two schemes' own; neither spills."""
+    from tinypaged.kernels.lowbit import GEMV_PTX_REGS
+
+    base = {"GROUP": 128, "BITS": 8, "HAS_BIAS": False, "SPLIT": True, "BLOCK_K": 128, "ASM": True}
+    base |= {"USE_PDL": True, "BLOCK_M": 1, "DOT": False, "SWAP_AB": True, "IEEE": False}
+    for block_n, want in GEMV_PTX_REGS.items():
+        counts = []
+        for zeros in (True, False):
+            regs, stack = _registers(
+                _lowbit_compile("_wint_kernel", base | {"BLOCK_N": block_n, "HAS_ZERO": zeros})
+            )
+            assert stack == 0, (block_n, zeros)
+            counts.append(regs)
+        assert max(counts) == want, (block_n, counts)
 
 
 @pytest.mark.parametrize(

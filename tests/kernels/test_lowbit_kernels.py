@@ -9,6 +9,7 @@ output's rounding differ: half an fp16 ulp (2^-11 relative) for fp16 out, 1e-5 f
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,55 @@ def test_layers_go_to_the_gluon_kernel_at_its_row_counts(monkeypatch: pytest.Mon
     assert route(8, 64) == {m: "gemv" if m == 1 else "gemm" for m in range(1, 19)}
     monkeypatch.setattr(lowbit_mma, "INT8_MMA", False)
     assert route(8, 128) == {m: "gemv" if m == 1 else "gemm" for m in range(1, 19)}
+
+
+def _run_ptx(text: str, regs: dict[str, np.ndarray]) -> None:
+    """Run the instructions of an inline-PTX block that INT8's GEMV uses (`prmt.b32` in its default mode,
+    `sub.f32`, `mul.rn.f32`, `fma.rn.f32`) on uint32 arrays, in place: the interpreter cannot run PTX. A product
+    and a sum are each exact in float64 here, then rounded once to float32."""
+
+    def f32(r: str) -> np.ndarray:
+        return regs[r].view(np.float32).astype(np.float64)
+
+    for line in text.splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        if not rest or op.startswith(".") or op in ("{", "}"):
+            continue
+        d, *a = [t.strip() for t in rest.split(",")]
+        if op == "prmt.b32":
+            both = regs[a[0]].astype(np.uint64) | (regs[a[1]].astype(np.uint64) << 32)
+            sel = int(a[2], 16)
+            out = np.zeros_like(regs[a[0]])
+            for i in range(4):
+                out |= ((both >> np.uint64(8 * ((sel >> 4 * i) & 7))) & np.uint64(0xFF)).astype(
+                    np.uint32
+                ) << (8 * i)
+            regs[d] = out
+        else:
+            v = [f32(r) for r in a]
+            if op == "sub.f32":
+                value = v[0] - v[1]
+            elif op == "mul.rn.f32":
+                value = v[0] * v[1]
+            else:
+                assert op == "fma.rn.f32", op
+                value = v[0] * v[1] + v[2]
+            regs[d] = value.astype(np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("zero", [128, 0, 255, 77])
+def test_int8_gemv_ptx_chain(zero: int) -> None:
+    """The device's PTX chain for an INT8 word (kernels/lowbit.py `INT8_GEMV_ASM`), emulated: each word's partial
+    is sum over its four codes (code j in bits 8j..8j+7) of x_j * (code_j - zero)."""
+    from tinypaged.kernels.lowbit import INT8_GEMV_ASM
+
+    rng = np.random.default_rng(zero)
+    words = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    xs = rng.standard_normal((4, 512)).astype(np.float32)
+    regs = {"$1": words, "$6": np.full(512, 2.0**23 + zero, np.float32).view(np.uint32)}
+    regs |= {f"${2 + j}": xs[j].view(np.uint32) for j in range(4)}
+    _run_ptx(INT8_GEMV_ASM.value, regs)
+    codes = (words[None, :] >> (8 * np.arange(4, dtype=np.uint32))[:, None]) & 0xFF
+    want = (xs.astype(np.float64) * (codes.astype(np.float64) - zero)).sum(0)
+    got = regs["$0"].view(np.float32)
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-4)
