@@ -117,6 +117,12 @@ def test_configs_at_the_8b_shapes() -> None:
     assert gemv_config(1, 28672, 4096, 128) == (64, 128, 4, 4)  # gate_up
     assert gemv_config(1, 6144, 4096, 128) == (64, 128, 8, 4)
     assert gemv_config(1, 512, 256, 128) == (64, 128, 1, 4)  # two steps: nothing to split
+    # INT8 through the PTX chain: one wave of programs holding the most weight rows (run 144's fastest tilings)
+    assert gemv_config(1, 6144, 4096, 128, ptx=True) == (64, 128, 8, 4)  # qkv: 768 programs of 924
+    assert gemv_config(1, 4096, 4096, 128, ptx=True) == (128, 128, 16, 4)  # o: 512 of 528
+    assert gemv_config(1, 4096, 14336, 128, ptx=True) == (128, 128, 16, 4)  # down
+    assert gemv_config(1, 28672, 4096, 128, ptx=True) == (64, 128, 2, 4)  # gate_up: 896 of 924
+    assert gemv_config(1, 28672, 4096, 128, sms=66, ptx=True) == (64, 128, 1, 4)  # a smaller board: no split
     assert gemm_config(16, 4096, 4096, 128)[:4] == (16, 64, 128, 8)
     assert gemm_config(1, 4096, 14336, 128)[:4] == (16, 128, 128, 16)  # down: a long K loop (run 84)
     assert gemm_config(32, 4096, 14336, 128)[:4] == (32, 64, 128, 8)
