@@ -317,9 +317,9 @@ def _lowbit_compile(fn_name: str, constexprs: dict[str, Any], warps: int = 4) ->
 def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     """The INT4 / INT8 GEMV, tensor-core kernel (transposed tile and not, K split or not) and dequantize kernels
     compile for sm_90 with programmatic dependent launch; the GEMV reads its words in 16-byte loads (INT8's
-    products in inline PTX, the activations in 16-byte loads too) and the
-    tensor-core kernel runs bf16 wgmma (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX;
-    a split launch counts its programs in with a release-acquire atomic."""
+    products in inline PTX, the activations in 16-byte loads too) and the tensor-core kernel runs bf16 wgmma
+    (mma.sync with two warps), INT4 codes turned into bf16 by the inline PTX; a split launch counts its programs
+    in with a release-acquire atomic."""
     base = {
         "GROUP": 128,
         "BITS": bits,
