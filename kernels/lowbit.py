@@ -632,8 +632,10 @@ def _launch(
     warps: int,
     stages: int,
     dot: bool,
+    asm: bool,
 ) -> torch.Tensor:
-    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways."""
+    """One launch of `_wint_kernel` over (BLOCK_M, BLOCK_N, BLOCK_K) `tiles`, K split `split` ways; `asm`: the
+    kernel's ASM (`uses_asm` for the tensor-core kernel, `gemv_ptx` for the GEMV)."""
     m, n, k = _check(x, w)
     block_m, block_n, block_k = tiles
     # A step lies in one group, or (the GEMV, a power-of-two group) spans whole ones.
@@ -655,7 +657,7 @@ def _launch(
         m, n, k, k // split, x.stride(0), w.qweight.stride(0), s.stride(0), n,
         GROUP=w.group, BITS=w.bits, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SWAP_AB=block_m < 64,
-        IEEE=x.dtype == torch.float32, ASM=uses_asm(x, w) if dot else gemv_ptx(x, w), num_warps=warps,
+        IEEE=x.dtype == torch.float32, ASM=asm, num_warps=warps,
         num_stages=stages, **pdl_options(x),
     )  # fmt: skip
     return y
@@ -676,7 +678,8 @@ def wint_gemv(
     sms = num_sms(x.device) if x.is_cuda else 132
     ptx = gemv_ptx(x, w)
     block_n, block_k, split, warps = config or gemv_config(m, w.qweight.shape[0], k, w.group, sms, ptx)
-    return _launch(x, w, bias, (triton.next_power_of_2(m), block_n, block_k), split, warps, 3, dot=False)
+    tiles = (triton.next_power_of_2(m), block_n, block_k)
+    return _launch(x, w, bias, tiles, split, warps, 3, dot=False, asm=ptx)
 
 
 def wint_gemm(
@@ -692,7 +695,9 @@ def wint_gemm(
     block_m, block_n, block_k, split, warps, stages = config or gemm_config(
         m, w.qweight.shape[0], k, w.group, sms
     )
-    return _launch(x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True)
+    return _launch(
+        x, w, bias, (block_m, block_n, block_k), split, warps, stages, dot=True, asm=uses_asm(x, w)
+    )
 
 
 def wint_dequantize(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:

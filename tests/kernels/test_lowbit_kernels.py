@@ -110,9 +110,10 @@ def test_dispatch_by_rows_matches_the_reference() -> None:
 
 def test_configs_at_the_8b_shapes() -> None:
     """The GEMV: 64 rows a program, one group a step, K split 8 ways on narrow outputs and 4 on gate_up (run
-    81's sweep); the tensor-core kernel splits K up to 8 ways where the tiles leave multiprocessors idle (three
-    programs a multiprocessor, two warps, up to 16 rows: run 87's sweep), and down_proj's long K loop 16 ways
-    over 128-row tiles at up to 16 rows (run 84's sweep)."""
+    81's sweep); INT8 through the PTX chain at one wave of programs (run 144's sweep); the tensor-core kernel
+    splits K up to 8 ways where the tiles leave multiprocessors idle (three programs a multiprocessor, two
+    warps, up to 16 rows: run 87's sweep), and down_proj's long K loop 16 ways over 128-row tiles at up to 16
+    rows (run 84's sweep)."""
     assert gemv_config(1, 4096, 14336, 128) == (64, 128, 8, 4)  # down_proj
     assert gemv_config(1, 28672, 4096, 128) == (64, 128, 4, 4)  # gate_up
     assert gemv_config(1, 6144, 4096, 128) == (64, 128, 8, 4)
