@@ -336,7 +336,8 @@ def test_lowbit_kernels_compile_for_hopper(bits: int) -> None:
     )
     ptx = gemv.asm["ptx"]
     if bits == 8:  # a prmt a code, the activations 8 bytes a word (16-byte loads of two words' runs)
-        assert ptx.count("prmt.b32") == 32 * 128 // 4 * 4 // 128 and "ld.global.v2.b64" in ptx
+        words_a_thread = 32 * (128 // 4) // 128  # BLOCK_N rows x a step's words a row / the 128 threads
+        assert ptx.count("prmt.b32") == words_a_thread * 4 and "ld.global.v2.b64" in ptx
     assert ptx.index("griddepcontrol.wait") < min(
         ptx.find(op) % len(ptx) for op in ("ld.global", "st.global")
     )
