@@ -27,12 +27,11 @@ from typing import Any
 import torch
 from common import write_json
 from fp8_gemm_sweep import graph_us
+from int4_mma import DEV, SHAPES, copies_for, nbytes, rel_err
 
 from tinypaged import ops
 from tinypaged.model.quant import lowbit
 
-DEV = "cuda"
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 ROWS = (1, 2, 4, 8, 16)
 
 
@@ -62,29 +61,23 @@ def torch_usable(x: torch.Tensor, w: lowbit.IntWeight, inner_k_tiles: int) -> bo
     )  # fmt: skip
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def layers(res: dict[str, Any], gen: torch.Generator, tiles: list[int]) -> None:
     out = res.setdefault("layers", [])
     for name, n, k in SHAPES:
         wb = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) / k**0.5
         w = lowbit.quantize_rtn(wb, 4, 128, False)
-        nbytes = w.qweight.numel() * 4 + w.scales.numel() * 4 + w.zeros.numel()
-        copies = max(2, math.ceil(256e6 / nbytes))
         ws = [w] + [
             w._replace(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone())
-            for _ in range(copies - 1)
+            for _ in range(copies_for(nbytes(w)) - 1)
         ]
-        bs = [wb] + [wb.clone() for _ in range(max(2, math.ceil(256e6 / (2 * n * k))) - 1)]
+        bs = [wb] + [wb.clone() for _ in range(copies_for(2 * n * k) - 1)]
         packs = {t: [torch_pack(v, t) for v in ws] for t in tiles}
         exact = lowbit.dequantize_weight(w)
         own = torch_weight(w, packs[tiles[0]][0][1])
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
             want = x.float() @ exact.T
-            row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": nbytes}
+            row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": nbytes(w)}
             row["ours_err"] = rel_err(lowbit.wint_linear(x, w), want)
             row["bf16_us"] = graph_us(lambda i, x=x, bs=bs: ops.linear(x, bs[i]), len(bs))
             row["ours_us"] = graph_us(lambda i, x=x, ws=ws: lowbit.wint_linear(x, ws[i]), len(ws))
